@@ -1,0 +1,565 @@
+"""The demo behind ``python -m specdec_jax``.
+
+Subcommands:
+
+- ``examples``: walk both worked examples of SPEC.md step by step, computing every
+  printed number with the library and checking that the walk, the NumPy
+  reference, :func:`specdec_jax.speculative_step` and :func:`specdec_jax.verify`
+  agree on the tokens and on how many random numbers were drawn.
+- ``simulate``: run ``jax.jit(jax.vmap(verify))`` once over many random draft
+  sequences and compare what comes out with what the theory says: the law of
+  every output token (it must be the target's), the acceptance rate per position
+  and the mean number of tokens per step.
+
+Without a subcommand both run, in that order. The exit code is 0 when
+everything agrees and 1 otherwise. Only ``jax`` and ``numpy`` are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import specdec_jax
+from specdec_jax import reference
+
+# ---------------------------------------------------------------------------------------------
+# Plain-text formatting
+# ---------------------------------------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "",
+           indent: int = 4) -> str:
+  """Format ``rows`` under ``header`` as aligned columns.
+
+  Args:
+    header: column titles.
+    rows: rows of already formatted cells, one per column.
+    align: one character per column, ``"l"`` or ``"r"``; missing ones are ``"r"``.
+    indent: spaces before every line.
+
+  Returns:
+    The table as one string without a trailing newline.
+  """
+  columns = len(header)
+  align = align.ljust(columns, "r")
+  widths = [len(h) for h in header]
+  for row in rows:
+    widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+  def line(cells: Sequence[str]) -> str:
+    parts = [
+      cell.ljust(w) if a == "l" else cell.rjust(w)
+      for cell, w, a in zip(cells, widths, align, strict=True)
+    ]
+    return " " * indent + "  ".join(parts).rstrip()
+
+  return "\n".join([line(header), *(line(row) for row in rows)])
+
+
+def _num(x: float, digits: int = 4) -> str:
+  """A probability-like number with a fixed number of decimals (``inf`` spelled out)."""
+  if math.isinf(x):
+    return "inf"
+  return f"{x:.{digits}f}"
+
+
+def _tokens(xs: Sequence[int]) -> str:
+  return "[" + ", ".join(str(int(x)) for x in xs) + "]"
+
+
+def _rows(matrix: np.ndarray) -> str:
+  return "[" + ", ".join("[" + ", ".join(f"{v:g}" for v in row) + "]" for row in matrix) + "]"
+
+
+def _banner(title: str) -> None:
+  print()
+  print(title)
+  print("=" * len(title))
+
+
+# ---------------------------------------------------------------------------------------------
+# examples: the two worked examples of SPEC.md
+# ---------------------------------------------------------------------------------------------
+
+EXAMPLE_P = np.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
+EXAMPLE_Q = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
+EXAMPLE_UNIFORMS = np.array([0.7, 0.9, 0.1])
+# (title, draft, tokens and number of random numbers that SPEC.md states)
+EXAMPLES = (
+  ("all accepted", [1, 2], [1, 2, 0], 3),
+  ("rejection", [0, 2], [2], 2),
+)
+
+
+def _walk_sample(probs: np.ndarray, u: float, extra: dict[str, np.ndarray],
+                 title: str = "probability") -> int:
+  """Print the inverse-CDF sampling of ``probs`` with ``u`` and return the sampled token.
+
+  The token comes from :func:`specdec_jax.reference.sample`; it is checked against
+  :func:`specdec_jax.sample` (the jitted sampler) by the caller's final comparison.
+
+  Args:
+    probs: the normalised row sampled from.
+    u: the uniform used.
+    extra: columns printed before ``probs`` (e.g. the raw residual), by title.
+    title: the title of the ``probs`` column.
+  """
+  token = reference.sample(probs, specdec_jax.UniformStream([u]))
+  cdf = np.cumsum(probs)
+  rows = []
+  for k, prob in enumerate(probs):
+    low = cdf[k - 1] if k else 0.0
+    interval = f"[{_num(low)}, {_num(cdf[k])})" if prob > 0 else "(empty)"
+    mark = f"<- u = {u:g}" if k == token else ""
+    rows.append([str(k), *(_num(col[k]) for col in extra.values()), _num(prob), _num(cdf[k]),
+                 interval, mark])
+  header = ["token", *extra, title, "cumulative", "interval", ""]
+  print(_table(header, rows, align="r" + "r" * len(extra) + "rrll"))
+  print(f"    smallest k with u = {u:g} < cumulative[k]: k = {token}  ->  token {token}")
+  return token
+
+
+def _walk_example(title: str, draft: list[int], want_tokens: list[int], want_draws: int) -> bool:
+  """Walk one worked example step by step and cross-check every implementation.
+
+  Returns:
+    True when the walk, SPEC.md, the reference, ``speculative_step`` and ``verify``
+    all agree on the tokens and the number of random numbers drawn.
+  """
+  p, q, uniforms = EXAMPLE_P, EXAMPLE_Q, EXAMPLE_UNIFORMS
+  gamma = len(draft)
+  _banner(f"Worked example: {title}, draft = {_tokens(draft)}")
+  print(f"  V = {p.shape[1]}, gamma = {gamma}")
+  print(f"  p = {_rows(p)}")
+  print(f"  q = {_rows(q)}")
+  print(f"  random numbers, in order: {', '.join(f'{u:g}' for u in uniforms)}")
+  print()
+
+  stream = specdec_jax.UniformStream(uniforms)
+  tokens: list[int] = []
+  ok = True
+  rows = []
+  rejected_at = None
+  for i, x in enumerate(draft):
+    u = stream.random()
+    p_x, q_x = p[i, x], q[i, x]
+    ratio = reference.acceptance_probability(p_x, q_x)
+    accepted = bool(specdec_jax.accepts(np.float64(u), p_x, q_x))
+    if accepted != (u < ratio):
+      print(f"  MISMATCH: accepts({u}, {p_x}, {q_x}) = {accepted} but u < p/q is {u < ratio}")
+      ok = False
+    test = f"{u:g} {'<' if accepted else '>='} {_num(ratio)}"
+    rows.append([str(i), str(x), _num(p_x), _num(q_x), _num(ratio), f"{u:g}", test,
+                 "accepted" if accepted else "REJECTED"])
+    if not accepted:
+      rejected_at = i
+      break
+    tokens.append(x)
+  print("  accept tests: keep draft[i] = x if u < p[i, x] / q[i, x]")
+  print(_table(["pos i", "token x", "p[i,x]", "q[i,x]", "p/q", "u", "test", "outcome"], rows,
+               align="rrrrrrll"))
+  print()
+
+  if rejected_at is not None:
+    i = rejected_at
+    raw = np.maximum(p[i] - q[i], 0.0)
+    alpha = float(np.minimum(p[i], q[i]).sum())
+    normalized = reference.residual(p[i], q[i])
+    u = stream.random()
+    print(f"  rejected at position {i}: sample the replacement with the next number u = {u:g}")
+    print(f"  from the residual r = max(p[{i}] - q[{i}], 0) / sum(max(p[{i}] - q[{i}], 0)),")
+    print(f"  where sum(max(p[{i}] - q[{i}], 0)) = {_num(float(raw.sum()))} = 1 - alpha_{i}, "
+          f"alpha_{i} = sum(min(p[{i}], q[{i}])) = {_num(alpha)}")
+    token = _walk_sample(normalized, u, {f"p[{i}]": p[i], f"q[{i}]": q[i], "max(p-q,0)": raw},
+                         title="r (normalized)")
+    skipped = gamma - i - 1
+    if skipped:
+      print(f"  stop: the remaining {skipped} proposal(s) {_tokens(draft[i + 1:])} "
+            "are never looked at")
+  else:
+    u = stream.random()
+    print(f"  all {gamma} proposals accepted: bonus token from p[{gamma}] with u = {u:g}")
+    token = _walk_sample(p[gamma], u, {})
+  tokens.append(token)
+  draws = stream.position
+  print()
+  print(f"  result {_tokens(tokens)}: {len(tokens)} token(s) from one target pass, "
+        f"{draws} random number(s) drawn ({stream.remaining} never read)")
+
+  # Cross-check: every implementation, same numbers.
+  ref_stream = specdec_jax.UniformStream(uniforms)
+  ref_tokens = reference.speculative_step(p, q, draft, ref_stream)
+  lib_stream = specdec_jax.UniformStream(uniforms)
+  lib_tokens = specdec_jax.speculative_step(p, q, draft, lib_stream)
+  checks = [
+    ("SPEC.md", want_tokens, want_draws, "stated"),
+    ("this walk-through", tokens, draws, "UniformStream.position"),
+    ("reference.speculative_step", ref_tokens, ref_stream.position, "UniformStream.position"),
+    ("speculative_step", lib_tokens, lib_stream.position, "UniformStream.position"),
+  ]
+  for label, dtype, x64 in (("float64", jnp.float64, True), ("float32", jnp.float32, False)):
+    with jax.enable_x64(x64):
+      result = specdec_jax.verify(jnp.asarray(p, dtype), jnp.asarray(q, dtype),
+                                  jnp.asarray(draft, jnp.int32), jnp.asarray(uniforms, dtype))
+      result = jax.device_get(result)
+    n = int(result.num_tokens)
+    note = f"num_uniforms; tokens = {_tokens(result.tokens)}, valid = {bool(result.valid)}"
+    checks.append((f"verify ({label})", [int(t) for t in result.tokens[:n]],
+                   int(result.num_uniforms), note))
+    if not bool(result.valid):
+      print(f"  MISMATCH: verify ({label}) reports an error: "
+            f"{specdec_jax.describe_error(int(result.error))}")
+      ok = False
+  # The sampler alone: the jitted inverse CDF against the reference for the final sample.
+  final_row = normalized if rejected_at is not None else p[gamma]
+  final_u = uniforms[draws - 1]
+  jit_token = specdec_jax.sample(final_row, specdec_jax.UniformStream([final_u]))
+  if jit_token != token:
+    print(f"  MISMATCH: specdec_jax.sample gives {jit_token} for the final sample, "
+          f"the reference {token}")
+    ok = False
+
+  print()
+  print("  cross-check, same random numbers:")
+  rows = []
+  for label, got_tokens, got_draws, source in checks:
+    same = list(got_tokens) == list(want_tokens) and got_draws == want_draws
+    ok &= same
+    rows.append([label, _tokens(got_tokens), str(got_draws), "ok" if same else "MISMATCH", source])
+  print(_table(["implementation", "tokens", "draws", "", "draws from"], rows, align="llrll"))
+  return ok
+
+
+def run_examples(args: argparse.Namespace) -> int:
+  """``examples`` subcommand: walk both worked examples. Returns the exit code."""
+  del args
+  ok = True
+  for title, draft, want_tokens, want_draws in EXAMPLES:
+    ok &= _walk_example(title, draft, want_tokens, want_draws)
+  print()
+  if ok:
+    print("examples: every implementation agrees with SPEC.md.")
+    return 0
+  print("examples: FAILED, see MISMATCH above.")
+  return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# simulate: the vmapped step over many random draft sequences
+# ---------------------------------------------------------------------------------------------
+
+_SHOW_TOKENS = 32  # tokens shown per position in the distribution tables
+_P_FAIL = 1e-6  # a chi-square p-value below this fails the run (chance: negligible)
+_Z_FAIL = 6.0  # so does a rate more than this many standard errors off
+
+
+def make_distributions(gamma: int, vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """Random target rows ``p`` ``(gamma + 1, V)`` and similar draft rows ``q`` ``(gamma, V)``.
+
+  ``p[i] ~ Dirichlet(1)``; ``q[i]`` mixes ``p[i]`` with an independent
+  ``Dirichlet(1)`` row, with a weight on the noise that grows along the draft, so
+  the acceptance probability falls from about 0.8 to about 0.55. Both are float32.
+  """
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet(np.ones(vocab), size=gamma + 1)
+  noise = rng.dirichlet(np.ones(vocab), size=gamma)
+  weight = np.linspace(0.35, 0.8, gamma)[:, None] if gamma > 1 else np.full((gamma, 1), 0.5)
+  q = (1 - weight) * p[:gamma] + weight * noise
+  p32 = (p / p.sum(-1, keepdims=True)).astype(np.float32)
+  q32 = (q / q.sum(-1, keepdims=True)).astype(np.float32)
+  return p32, q32
+
+
+def sample_drafts(q: np.ndarray, trials: int, seed: int) -> np.ndarray:
+  """``(trials, gamma)`` int32 draft ids with ``draft[:, i] ~ q[i]`` (vectorised inverse CDF)."""
+  rng = np.random.default_rng([seed, 1])
+  gamma, vocab = q.shape
+  draft = np.empty((trials, gamma), dtype=np.int32)
+  u = rng.random((trials, gamma))
+  for i in range(gamma):
+    row = q[i].astype(np.float64)
+    cdf = np.cumsum(row / row.sum())
+    draft[:, i] = np.minimum(np.searchsorted(cdf, u[:, i], side="right"), vocab - 1)
+  return draft
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, float]:
+  """Pearson's goodness-of-fit test of ``counts`` against ``probs``.
+
+  Returns:
+    ``(statistic, degrees of freedom, p-value)``. The p-value is the regularised
+    upper incomplete gamma function ``Q(df / 2, statistic / 2)``, from
+    ``jax.scipy.special.gammaincc``. Counts on a zero-probability token give an
+    infinite statistic and p-value 0.
+  """
+  n = counts.sum()
+  support = probs > 0
+  if np.any(counts[~support] > 0):
+    return math.inf, int(support.sum()) - 1, 0.0
+  expected = n * probs[support] / probs[support].sum()
+  statistic = float(np.sum((counts[support] - expected) ** 2 / expected))
+  df = int(support.sum()) - 1
+  if df <= 0:
+    return statistic, df, 1.0
+  p_value = float(jax.scipy.special.gammaincc(df / 2.0, statistic / 2.0))
+  return statistic, df, p_value
+
+
+def expected_tokens(alphas: np.ndarray) -> np.ndarray:
+  """Law of the number of tokens per step, ``P(N = n)`` for ``n = 1 .. gamma + 1``.
+
+  ``P(N > k) = prod_{i < k} alpha_i``: the first ``k`` proposals were all accepted.
+  Its mean is ``1 + sum_{k=1}^{gamma} prod_{i<k} alpha_i``, which for equal alphas is
+  ``(1 - alpha^(gamma+1)) / (1 - alpha)`` (Leviathan et al. 2023, Eq. 1).
+  """
+  survive = np.concatenate([[1.0], np.cumprod(alphas)])  # P(N > k), k = 0 .. gamma
+  return survive - np.concatenate([survive[1:], [0.0]])
+
+
+def _verdict(ok: bool, strict: bool = True) -> str:
+  if ok:
+    return "ok"
+  return "FAIL" if strict else "low"
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+  """``simulate`` subcommand: vmapped verification against the theory. Returns the exit code."""
+  trials, gamma, vocab, seed = args.trials, args.gamma, args.vocab, args.seed
+  start = time.perf_counter()
+  _banner(f"Simulation: {trials} steps, gamma = {gamma}, V = {vocab}, seed = {seed}")
+
+  p, q = make_distributions(gamma, vocab, seed)
+  draft = sample_drafts(q, trials, seed)
+  uniforms = jax.random.uniform(jax.random.key(seed), (trials, gamma + 1), dtype=jnp.float32)
+  setup_s = time.perf_counter() - start
+
+  # One jitted call over the whole batch; p and q are shared by every trial.
+  step = jax.jit(jax.vmap(specdec_jax.verify, in_axes=(None, None, 0, 0)))
+  args_ = (jnp.asarray(p), jnp.asarray(q), jnp.asarray(draft), uniforms)
+  t0 = time.perf_counter()
+  result = jax.block_until_ready(step(*args_))
+  first_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  jax.block_until_ready(step(*args_))
+  second_s = time.perf_counter() - t0
+  result = jax.device_get(result)
+  tokens = np.asarray(result.tokens)
+  num_tokens = np.asarray(result.num_tokens)
+  num_accepted = np.asarray(result.num_accepted)
+  num_uniforms = np.asarray(result.num_uniforms)
+
+  print(f"  p: ({gamma + 1}, {vocab}) target rows ~ Dirichlet(1); q: ({gamma}, {vocab}) draft "
+        "rows, p mixed with noise;")
+  print(f"  draft[:, i] ~ q[i] (NumPy); uniforms ({trials}, {gamma + 1}) from "
+        f"jax.random.uniform(key({seed}));")
+  print("  one call of jax.jit(jax.vmap(verify, in_axes=(None, None, 0, 0))) over every trial.")
+
+  # Invariants every single step must satisfy.
+  ok = True
+  slots = np.arange(gamma + 1)
+  problems = []
+  if not np.all(result.valid):
+    problems.append(f"{int(np.sum(~result.valid))} steps report an error")
+  if not np.array_equal(num_tokens, num_accepted + 1):
+    problems.append("num_tokens != num_accepted + 1")
+  want_uniforms = np.where(num_accepted == gamma, gamma + 1, num_accepted + 2)
+  if not np.array_equal(num_uniforms, want_uniforms):
+    problems.append("num_uniforms is not num_accepted + 2 (rejection) / gamma + 1 (all accepted)")
+  new = slots[None, :] < num_tokens[:, None]
+  if np.any(new & ((tokens < 0) | (tokens >= vocab))) or np.any(~new & (tokens != -1)):
+    problems.append("a token id outside [0, V), or an unused slot not padded with -1")
+  kept = slots[None, :gamma] < num_accepted[:, None]
+  if np.any(kept & (tokens[:, :gamma] != draft)):
+    problems.append("an accepted token differs from its draft token")
+  print()
+  if problems:
+    ok = False
+    for problem in problems:
+      print(f"  FAIL: {problem}")
+  else:
+    print(f"  per-step invariants: ok for all {trials} steps")
+    print("    (valid, ids in [0, V), -1 padding, accepted tokens = draft, num_uniforms)")
+
+  # 1. The law of every output token is the target's.
+  print()
+  print("  1. Output token j, among steps that returned more than j tokens, against p[j]")
+  print(f"     (exactness: it must be distributed as p[j]; chi-square p-value {_P_FAIL:g} "
+        "or less fails)")
+  p64 = p.astype(np.float64)
+  q64 = q.astype(np.float64)
+  summary = []
+  for j in range(gamma + 1):
+    reached = num_tokens > j
+    n = int(reached.sum())
+    if n == 0:
+      summary.append([str(j), "0", "-", "-", "-", "-", "no step got this far"])
+      continue
+    target = p64[j] / p64[j].sum()
+    counts = np.bincount(tokens[reached, j], minlength=vocab)
+    empirical = counts / n
+    diff = np.abs(empirical - target)
+    statistic, df, p_value = chi_square(counts, target)
+    passed = p_value >= _P_FAIL
+    ok &= passed
+    summary.append([str(j), str(n), f"{diff.max():.4f}", f"{statistic:.2f}", str(df),
+                    f"{p_value:.3f}", _verdict(passed)])
+    shown = min(vocab, _SHOW_TOKENS)
+    print()
+    more = f" (first {shown} of {vocab} tokens)" if shown < vocab else ""
+    print(f"     position {j}: n = {n}{more}")
+    for lo in range(0, shown, 10):
+      cols = range(lo, min(lo + 10, shown))
+      rows = [
+        ["p[j]", *(f"{target[k]:.4f}" for k in cols)],
+        ["empirical", *(f"{empirical[k]:.4f}" for k in cols)],
+        ["|diff|", *(f"{diff[k]:.4f}" for k in cols)],
+      ]
+      print(_table(["token", *(str(k) for k in cols)], rows, align="l", indent=7))
+  print()
+  print(_table(["position j", "n", "max |diff|", "chi-square", "df", "p-value", ""], summary,
+               align="rrrrrrl", indent=5))
+
+  # 2. Acceptance rate per position.
+  print()
+  print("  2. Acceptance rate per position, among steps that tested it,")
+  print("     against alpha_i = sum_x min(p[i, x], q[i, x])")
+  alphas = np.minimum(p64[:gamma], q64[:gamma]).sum(-1)
+  rows = []
+  for i in range(gamma):
+    tested = int(np.sum(num_accepted >= i))
+    if tested == 0:
+      rows.append([str(i), "0", "-", _num(alphas[i]), "-", "-", "never tested"])
+      continue
+    rate = np.sum(num_accepted > i) / tested
+    se = math.sqrt(max(alphas[i] * (1 - alphas[i]), 1e-300) / tested)
+    z = (rate - alphas[i]) / se
+    passed = abs(z) <= _Z_FAIL
+    ok &= passed
+    rows.append([str(i), str(tested), _num(rate), _num(alphas[i]), f"{rate - alphas[i]:+.4f}",
+                 f"{z:+.2f}", _verdict(passed)])
+  if rows:
+    print(_table(["position i", "tested", "empirical", "alpha_i", "difference", "z", ""], rows,
+                 align="rrrrrrl", indent=5))
+  else:
+    print("     gamma = 0: nothing to test")
+
+  # 3. Tokens per step.
+  law = expected_tokens(alphas)
+  sizes = np.arange(1, gamma + 2)
+  mean = float(law @ sizes)
+  var = float(law @ sizes**2) - mean**2
+  empirical_mean = float(num_tokens.mean())
+  se = math.sqrt(max(var, 1e-300) / trials)
+  z = (empirical_mean - mean) / se
+  passed = abs(z) <= _Z_FAIL
+  ok &= passed
+  freq = np.bincount(num_tokens, minlength=gamma + 2)[1:] / trials
+  print()
+  print("  3. Tokens per step")
+  rows = [["theory", *(f"{x:.4f}" for x in law)], ["empirical", *(f"{x:.4f}" for x in freq)]]
+  print(_table(["P(N = n)", *(str(n) for n in sizes)], rows, align="l", indent=5))
+  print()
+  print(f"     mean tokens per step: empirical {empirical_mean:.4f}, theory {mean:.4f}  "
+        f"(z = {z:+.2f}, {_verdict(passed)})")
+  print("     theory: 1 + sum_{k=1..gamma} prod_{i<k} alpha_i")
+  if gamma > 0:
+    a = float(alphas.mean())
+    iid = (1 - a ** (gamma + 1)) / (1 - a) if a < 1 else gamma + 1.0
+    print("     for comparison, the i.i.d. formula (1 - a^(gamma+1)) / (1 - a) with one "
+          "a = mean(alpha_i)")
+    print(f"     = {a:.4f} gives {iid:.4f} (exact only when all alpha_i are equal)")
+
+  total_s = time.perf_counter() - start
+  print()
+  print(f"  time: {total_s:.2f} s in all on {jax.devices()[0].platform}: setup {setup_s:.2f} s, "
+        f"first call (compile + run) {first_s:.2f} s,")
+  print(f"        second call {second_s * 1e3:.1f} ms ({second_s / trials * 1e9:.0f} ns per step)")
+  print()
+  if ok:
+    print("simulate: the output matches the target distribution and the theory.")
+    return 0
+  print("simulate: FAILED, see FAIL above.")
+  return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def _non_negative(text: str) -> int:
+  value = int(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+  return value
+
+
+def _add_simulate_options(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--trials", type=_positive, default=100_000,
+                      help="number of verification steps (default: %(default)s)")
+  parser.add_argument("--gamma", type=_non_negative, default=4,
+                      help="draft length (default: %(default)s)")
+  parser.add_argument("--vocab", type=_positive, default=8,
+                      help="vocabulary size V (default: %(default)s)")
+  parser.add_argument("--seed", type=_non_negative, default=0,
+                      help="seed for the distributions, drafts and uniforms (default: %(default)s)")
+
+
+def _run_all(args: argparse.Namespace) -> int:
+  """No subcommand: ``examples``, then ``simulate`` with its defaults."""
+  code = run_examples(args)
+  defaults = argparse.Namespace()
+  sim = argparse.ArgumentParser(add_help=False)
+  _add_simulate_options(sim)
+  sim.parse_args([], namespace=defaults)
+  return max(code, run_simulate(defaults))
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The ``python -m specdec_jax`` argument parser; each subcommand sets ``func``."""
+  parser = argparse.ArgumentParser(
+    prog="python -m specdec_jax",
+    description="Demo of exact speculative-decoding verification. Without a subcommand, "
+    "run `examples` and then `simulate` with its defaults.",
+  )
+  parser.set_defaults(func=_run_all)
+  sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
+  commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
+    "examples": ("walk both worked examples of SPEC.md step by step", run_examples),
+    "simulate": ("run jax.vmap(verify) over many random steps and compare with the theory",
+                 run_simulate),
+  }
+  for name, (help_text, func) in commands.items():
+    command = sub.add_parser(name, help=help_text, description=help_text)
+    command.set_defaults(func=func)
+    if name == "simulate":
+      _add_simulate_options(command)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point of ``python -m specdec_jax``.
+
+  Args:
+    argv: command-line arguments without the program name; ``sys.argv[1:]`` if None.
+
+  Returns:
+    The exit code: 0 when everything agrees, 1 otherwise (argparse exits with 2 on bad usage).
+  """
+  args = build_parser().parse_args(argv)
+  return args.func(args)

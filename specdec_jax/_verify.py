@@ -1,0 +1,239 @@
+"""The pure, jit-compiled verification step for one sequence."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specdec_jax._rule import ErrorCode
+from specdec_jax._rule import accepts
+from specdec_jax._rule import row_tolerance
+from specdec_jax._sampling import sample_index
+
+
+class VerifyResult(NamedTuple):
+  """What one verification step produced (one sequence; add a leading batch axis under vmap).
+
+  Attributes:
+    tokens: int32 ``(gamma + 1,)``. The accepted draft tokens, then the replacement
+      or bonus token, then ``pad_id`` in the unused slots.
+    num_tokens: int32 ``()``. How many leading entries of ``tokens`` are new tokens,
+      ``1 <= num_tokens <= gamma + 1``.
+    num_accepted: int32 ``()``. How many draft tokens were kept, ``num_tokens - 1``.
+    num_uniforms: int32 ``()``. How many uniforms the rule read: ``num_accepted + 2``
+      after a rejection, ``gamma + 1`` when every proposal was accepted.
+    valid: bool ``()``. True when every value the step read (the tested draft ids,
+      their gathered probabilities, the uniforms it read and the full row(s) it
+      sampled from) was in range and every row it read sums to 1.
+    error: int32 ``()``. :class:`ErrorCode` bit mask that says what was wrong; 0 when
+      ``valid``. Decode on the host with :func:`describe_error`.
+  """
+
+  tokens: jax.Array
+  num_tokens: jax.Array
+  num_accepted: jax.Array
+  num_uniforms: jax.Array
+  valid: jax.Array
+  error: jax.Array
+
+
+def compute_dtype(*dtypes) -> jnp.dtype:
+  """The dtype the rule is computed in: the promoted input dtype, at least float32."""
+  dtype = jnp.dtype(dtypes[0])
+  for other in dtypes[1:]:
+    dtype = jnp.promote_types(dtype, other)
+  if jnp.dtype(dtype).itemsize < 4:
+    return jnp.dtype(jnp.float32)
+  return jnp.dtype(dtype)
+
+
+def _flag(condition: jax.Array, code: ErrorCode) -> jax.Array:
+  return jnp.where(condition, jnp.int32(code.value), jnp.int32(0))
+
+
+def _value_error(values: jax.Array, mask: jax.Array, tol: float) -> jax.Array:
+  """Error bits for probabilities ``values`` where ``mask`` (each must be in ``[0, 1]``)."""
+  nonfinite = jnp.any(mask & ~jnp.isfinite(values))
+  negative = jnp.any(mask & (values < 0))
+  too_big = jnp.any(mask & (values > 1 + tol))
+  return (
+    _flag(nonfinite, ErrorCode.NONFINITE)
+    | _flag(negative, ErrorCode.NEGATIVE)
+    | _flag(too_big, ErrorCode.NOT_NORMALIZED)
+  )
+
+
+def row_error(row: jax.Array, tol: float) -> jax.Array:
+  """Error bits for a full probability row: finite, non-negative, sums to 1 within ``tol``."""
+  finite = jnp.all(jnp.isfinite(row))
+  negative = jnp.any(row < 0)
+  off = jnp.abs(jnp.sum(row) - 1) > tol
+  return (
+    _flag(~finite, ErrorCode.NONFINITE)
+    | _flag(negative, ErrorCode.NEGATIVE)
+    | _flag(finite & off, ErrorCode.NOT_NORMALIZED)
+  )
+
+
+def _check_shapes(p, q, draft, uniforms, name: str = "verify") -> tuple[int, int]:
+  """Trace-time rank, shape and dtype checks. Returns ``(gamma, V)``."""
+  hint = f" For a batch, use jax.vmap({name})."
+  ranks = (("p", p, 2), ("q", q, 2), ("draft", draft, 1), ("uniforms", uniforms, 1))
+  for arg, value, rank in ranks:
+    if not hasattr(value, "ndim"):
+      raise TypeError(f"{name}: `{arg}` must be an array, got {type(value).__name__} instead.")
+    if value.ndim != rank:
+      raise ValueError(
+        f"{name}: `{arg}` must have rank {rank}, got shape {tuple(value.shape)} "
+        f"(rank {value.ndim}) instead.{hint if value.ndim > rank else ''}"
+      )
+  for arg, value in (("p", p), ("q", q), ("uniforms", uniforms)):
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+      raise TypeError(f"{name}: `{arg}` must have a floating dtype, got {value.dtype} instead.")
+  if not jnp.issubdtype(draft.dtype, jnp.integer):
+    raise TypeError(f"{name}: `draft` must have an integer dtype, got {draft.dtype} instead.")
+  gamma = draft.shape[0]
+  vocab = p.shape[1]
+  if vocab < 1:
+    raise ValueError(f"{name}: `p` must have V >= 1 columns, got shape {tuple(p.shape)} instead.")
+  if p.shape[0] != gamma + 1:
+    raise ValueError(
+      f"{name}: `p` must have shape (gamma + 1, V) = ({gamma + 1}, {vocab}) for gamma = {gamma} "
+      f"(the length of `draft`), got {tuple(p.shape)} instead."
+    )
+  if q.shape != (gamma, vocab):
+    raise ValueError(
+      f"{name}: `q` must have shape (gamma, V) = ({gamma}, {vocab}) for gamma = {gamma} "
+      f"(the length of `draft`) and V = {vocab} (from `p`), got {tuple(q.shape)} instead."
+    )
+  if uniforms.shape != (gamma + 1,):
+    raise ValueError(
+      f"{name}: `uniforms` must have shape (gamma + 1,) = ({gamma + 1},) for gamma = {gamma}, "
+      f"got {tuple(uniforms.shape)} instead."
+    )
+  return gamma, vocab
+
+
+def _verify(p, q, draft, uniforms, *, pad_id: int = -1) -> VerifyResult:
+  gamma, vocab = _check_shapes(p, q, draft, uniforms)
+  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
+  dtype = compute_dtype(p.dtype, q.dtype)
+  p = p.astype(dtype)
+  q = q.astype(dtype)
+  uniforms = uniforms.astype(dtype)
+  draft = draft.astype(jnp.int32)
+
+  # Only 2 * gamma scalars are gathered for the accept scan.
+  in_range = (draft >= 0) & (draft < vocab)
+  safe_draft = jnp.clip(draft, 0, vocab - 1)
+  positions = jnp.arange(gamma, dtype=jnp.int32)
+  p_x = p[positions, safe_draft]
+  q_x = q[positions, safe_draft]
+
+  def keep_going(state):
+    i, rejected = state
+    return (i < gamma) & ~rejected
+
+  def test_one(state):
+    i, _ = state
+    ok = accepts(uniforms[i], p_x[i], q_x[i]) & in_range[i]
+    return i + ok.astype(jnp.int32), ~ok
+
+  start = (jnp.int32(0), jnp.asarray(False))
+  num_accepted, rejected = lax.while_loop(keep_going, test_one, start) if gamma else start
+  num_tests = num_accepted + rejected.astype(jnp.int32)
+
+  # The one row the final sample needs: the residual at the rejection, or p[gamma].
+  p_row = lax.dynamic_index_in_dim(p, num_accepted, keepdims=False)
+  if gamma > 0:
+    q_row = lax.dynamic_index_in_dim(q, jnp.minimum(num_accepted, gamma - 1), keepdims=False)
+    residual = jnp.maximum(p_row - q_row, 0)
+    mass = jnp.sum(jnp.where(residual > 0, residual, 0))
+    use_residual = rejected & (mass > 0)
+    weights = jnp.where(use_residual, residual, p_row)
+  else:
+    q_row = jnp.zeros_like(p_row)
+    weights = p_row
+  final_u = uniforms[num_tests]
+  token = sample_index(weights, final_u)
+
+  slots = jnp.arange(gamma + 1, dtype=jnp.int32)
+  padded = jnp.concatenate([safe_draft, jnp.full((1,), pad_id, jnp.int32)])
+  tokens = jnp.where(slots < num_accepted, padded, jnp.int32(pad_id))
+  tokens = jnp.where(slots == num_accepted, token, tokens)
+
+  # What the step read, and whether it was valid.
+  tested = positions < num_tests
+  read_u = slots <= num_tests
+  u_bad = jnp.any(read_u & ~((uniforms >= 0) & (uniforms < 1)))
+  error = (
+    _flag(jnp.any(tested & ~in_range), ErrorCode.DRAFT_OUT_OF_RANGE)
+    | _value_error(p_x, tested, tol)
+    | _value_error(q_x, tested, tol)
+    | _flag(u_bad, ErrorCode.UNIFORM_OUT_OF_RANGE)
+    | row_error(p_row, tol)
+    | jnp.where(rejected, row_error(q_row, tol), jnp.int32(0))
+  )
+  return VerifyResult(
+    tokens=tokens,
+    num_tokens=num_accepted + 1,
+    num_accepted=num_accepted,
+    num_uniforms=num_tests + 1,
+    valid=error == 0,
+    error=error,
+  )
+
+
+verify = jax.jit(_verify, static_argnames=("pad_id",))
+verify.__doc__ = """Exact speculative-sampling verification of one draft sequence (pure, jitted).
+
+  For ``i = 0 .. gamma - 1`` with ``x = draft[i]``: accept ``x`` if
+  ``uniforms[i] < p[i, x] / q[i, x]``; at the first rejection sample a replacement
+  from ``max(p[i] - q[i], 0)`` (normalised; ``p[i]`` if that is all zero) with
+  ``uniforms[i + 1]`` and stop. If all are accepted, sample a bonus token from
+  ``p[gamma]`` with ``uniforms[gamma]``. The returned tokens are distributed
+  exactly as if the target had sampled them one at a time.
+
+  The accept scan is a ``jax.lax.while_loop`` over ``2 * gamma`` gathered scalars;
+  only the row the final sample needs is read in full. Slot ``i`` of ``uniforms``
+  is the test at position ``i`` and slot ``t`` (``t`` = tests performed) the final
+  sample; later slots are never read. Arithmetic is in the promoted input dtype
+  (float16/bfloat16 are computed in float32; float64 needs ``jax_enable_x64``).
+
+  Under ``jit`` nothing can raise on values: ids stay in ``[0, V)``, an
+  out-of-range draft id is rejected, NaN or negative rows never yield a token of
+  zero probability when a positive one exists, and ``valid``/``error`` say what
+  was wrong. Shapes and dtypes are checked at trace time.
+
+  Args:
+    p: ``(gamma + 1, V)`` floating. Target distributions at the ``gamma``
+      proposed positions plus the one after the last proposal.
+    q: ``(gamma, V)`` floating. ``q[i]`` is the distribution ``draft[i]`` was
+      actually sampled from (after temperature, top-k, top-p).
+    draft: ``(gamma,)`` integer token ids in ``[0, V)``.
+    uniforms: ``(gamma + 1,)`` floating, each in ``[0, 1)``.
+    pad_id: static int written into the unused slots of ``tokens``.
+
+  Returns:
+    :class:`VerifyResult` with ``tokens`` of shape ``(gamma + 1,)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> p = jnp.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
+    >>> q = jnp.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
+    >>> u = jnp.array([0.7, 0.9, 0.1])
+    >>> verify(p, q, jnp.array([1, 2]), u).tokens.tolist()
+    [1, 2, 0]
+    >>> verify(p, q, jnp.array([0, 2]), u).tokens.tolist()
+    [2, -1, -1]
+
+    Batched: ``jax.vmap(verify)(p_b, q_b, draft_b, uniforms_b)``.
+
+  Reference:
+    Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative
+    Decoding", ICML 2023, arXiv:2211.17192; Chen et al., "Accelerating Large
+    Language Model Decoding with Speculative Sampling", arXiv:2302.01318.
+  """

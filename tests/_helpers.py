@@ -1,0 +1,101 @@
+"""Shared test helpers: random cases, chi-square checks, draft sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+# The worked example of SPEC.md.
+P_EXAMPLE = np.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
+Q_EXAMPLE = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
+U_EXAMPLE = np.array([0.7, 0.9, 0.1])
+
+KINDS = ("flat", "peaked", "one_hot", "overlap", "disjoint", "equal", "zero_q")
+
+
+def _normalize(rows: np.ndarray) -> np.ndarray:
+  return rows / rows.sum(axis=-1, keepdims=True)
+
+
+def random_rows(rng: np.random.Generator, n: int, vocab: int, kind: str) -> np.ndarray:
+  """``n`` probability rows over ``vocab`` tokens of the given kind (float64)."""
+  if kind == "flat":
+    return np.full((n, vocab), 1.0 / vocab)
+  if kind == "peaked":
+    return _normalize(rng.dirichlet(np.full(vocab, 0.1), size=n) + 1e-300)
+  if kind == "one_hot":
+    rows = np.zeros((n, vocab))
+    rows[np.arange(n), rng.integers(0, vocab, size=n)] = 1.0
+    return rows
+  rows = rng.dirichlet(np.ones(vocab), size=n)
+  if kind in ("overlap", "equal"):
+    return rows
+  # Zero out a random subset of each row (keeping at least one entry).
+  mask = rng.random((n, vocab)) < 0.5
+  mask[np.arange(n), rng.integers(0, vocab, size=n)] = False
+  rows = np.where(mask, 0.0, rows)
+  return _normalize(rows)
+
+
+def random_case(rng: np.random.Generator, gamma: int, vocab: int, kind: str):
+  """A (p, q, draft) triple in float64; the draft is sampled from q (except for 'zero_q')."""
+  p = random_rows(rng, gamma + 1, vocab, kind if kind != "zero_q" else "disjoint")
+  if kind == "equal":
+    q = p[:gamma].copy()
+  elif kind == "disjoint" and vocab > 1:
+    # q lives on tokens where p[i] is zero as far as possible.
+    q = np.where(p[:gamma] > 0, 0.0, rng.random((gamma, vocab)))
+    empty = q.sum(axis=-1) == 0
+    q[empty] = rng.dirichlet(np.ones(vocab), size=int(empty.sum()))
+    q = _normalize(q)
+  else:
+    q = random_rows(rng, gamma, vocab, kind if kind != "zero_q" else "disjoint")
+  if kind == "zero_q":  # draft ids anywhere, also where q == 0
+    draft = rng.integers(0, vocab, size=gamma)
+  else:
+    draft = sample_rows(rng, q, 1)[0] if gamma else np.zeros(0, np.int64)
+  return p, q, draft.astype(np.int32)
+
+
+def sample_rows(rng: np.random.Generator, rows: np.ndarray, n: int) -> np.ndarray:
+  """``n`` independent draws from every row: shape ``(n, len(rows))``, inverse CDF in float64."""
+  cdf = np.cumsum(rows, axis=-1)
+  cdf[:, -1] = np.inf  # no rounding gap at the top
+  u = rng.random((n, rows.shape[0], 1))
+  return np.argmax(u < cdf[None], axis=-1)
+
+
+def chi_square_pvalue(observed: np.ndarray, probs: np.ndarray) -> tuple[float, str]:
+  """Pearson chi-square p-value of ``observed`` counts against ``probs``.
+
+  Bins with expected count < 5 are pooled into one. A count in a bin of
+  probability 0 gives p-value 0 outright.
+  """
+  observed = np.asarray(observed, dtype=np.float64)
+  probs = np.asarray(probs, dtype=np.float64)
+  total = observed.sum()
+  expected = probs * total
+  detail = f"expected {np.round(expected, 1).tolist()}, observed {observed.astype(int).tolist()}"
+  if np.any((probs == 0) & (observed > 0)):
+    return 0.0, detail
+  big = expected >= 5
+  obs = list(observed[big])
+  exp = list(expected[big])
+  if (~big).any() and expected[~big].sum() > 0:
+    obs.append(observed[~big].sum())
+    exp.append(expected[~big].sum())
+  if len(obs) < 2:
+    return 1.0, detail
+  statistic = float(np.sum((np.array(obs) - np.array(exp)) ** 2 / np.array(exp)))
+  return float(stats.chi2.sf(statistic, len(obs) - 1)), detail
+
+
+def assert_same_distribution(samples: np.ndarray, probs: np.ndarray, alpha: float, label: str):
+  """Chi-square test of integer ``samples`` against ``probs`` at significance ``alpha``."""
+  counts = np.bincount(np.asarray(samples), minlength=len(probs))
+  if counts.shape[0] > len(probs):
+    raise AssertionError(f"{label}: sample outside [0, {len(probs)}): {counts}")
+  pvalue, detail = chi_square_pvalue(counts, probs)
+  if pvalue < alpha:
+    raise AssertionError(f"{label}: chi-square p = {pvalue:.3g} < alpha = {alpha:.3g}; {detail}")
+  return pvalue
