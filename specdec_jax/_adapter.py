@@ -118,9 +118,10 @@ def _check_rows(name: str, array: np.ndarray, func: str) -> None:
   if np.any(off):
     row = int(np.argmax(off))
     where = f" (row {row})" if array.ndim > 1 else ""
+    what = f"every row of `{name}`" if array.ndim > 1 else f"`{name}`"
     raise ValueError(
-      f"{func}: every row of `{name}` must sum to 1 within {tol:.2g} (for {array.dtype}), "
-      f"got a sum of {sums[row]!r}{where}."
+      f"{func}: {what} must sum to 1 within {tol:.2g} (for {array.dtype}), "
+      f"got a sum of {float(sums[row]):.10g}{where}."
     )
 
 

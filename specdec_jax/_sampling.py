@@ -39,4 +39,11 @@ def sample_index(weights: jax.Array, u: jax.Array) -> jax.Array:
   cdf = jnp.cumsum(w)
   hit = u * cdf[-1] < cdf
   first = jnp.argmax(hit).astype(jnp.int32)
-  return jnp.where(jnp.any(hit), first, last_positive_index(w))
+  # XLA may evaluate the cumulative sum as a parallel prefix, whose rounding differs
+  # from index to index: a zero-weight entry can then carry a larger partial sum than
+  # the positive entry before it. Snap the hit back to the last positive index <= it.
+  index = jnp.arange(w.shape[-1], dtype=jnp.int32)
+  snapped = jnp.max(jnp.where((w > 0) & (index <= first), index, -1))
+  first_positive = jnp.argmax(w > 0).astype(jnp.int32)
+  found = jnp.where(snapped >= 0, snapped, first_positive)
+  return jnp.where(jnp.any(hit), found, last_positive_index(w))
