@@ -9,24 +9,42 @@ from specdec_jax import reference
 from specdec_jax._adapter import UniformStream
 from specdec_jax._adapter import sample
 from specdec_jax._adapter import speculative_step
+from specdec_jax._logits import DraftSample
+from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import process_logits
+from specdec_jax._logits import sample_draft
+from specdec_jax._logits import verify_logits
+from specdec_jax._logits import verify_logits_with_key
 from specdec_jax._rule import ErrorCode
 from specdec_jax._rule import accepts
 from specdec_jax._rule import describe_error
 from specdec_jax._sampling import sample_index
+from specdec_jax._sampling import sample_index_sharded
+from specdec_jax._sharding import vocab_parallel_verify
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
+from specdec_jax._verify import verify_with_key
 
 __version__ = "0.1.0"
 
 __all__ = (
+  "DraftSample",
   "ErrorCode",
+  "SamplingParams",
   "UniformStream",
   "VerifyResult",
   "accepts",
   "describe_error",
+  "process_logits",
   "reference",
   "sample",
+  "sample_draft",
   "sample_index",
+  "sample_index_sharded",
   "speculative_step",
   "verify",
+  "verify_logits",
+  "verify_logits_with_key",
+  "verify_with_key",
+  "vocab_parallel_verify",
 )

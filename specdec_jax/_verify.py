@@ -12,6 +12,7 @@ from specdec_jax._rule import ErrorCode
 from specdec_jax._rule import accepts
 from specdec_jax._rule import row_tolerance
 from specdec_jax._sampling import sample_index
+from specdec_jax._sampling import sample_index_sharded
 
 
 class VerifyResult(NamedTuple):
@@ -54,6 +55,10 @@ def _flag(condition: jax.Array, code: ErrorCode) -> jax.Array:
   return jnp.where(condition, jnp.int32(code.value), jnp.int32(0))
 
 
+def _psum(x: jax.Array, axis_name: str | None) -> jax.Array:
+  return x if axis_name is None else lax.psum(x, axis_name)
+
+
 def _value_error(values: jax.Array, mask: jax.Array, tol: float) -> jax.Array:
   """Error bits for probabilities ``values`` where ``mask`` (each must be in ``[0, 1]``)."""
   nonfinite = jnp.any(mask & ~jnp.isfinite(values))
@@ -66,22 +71,27 @@ def _value_error(values: jax.Array, mask: jax.Array, tol: float) -> jax.Array:
   )
 
 
-def row_error(row: jax.Array, tol: float) -> jax.Array:
-  """Error bits for a full probability row: finite, non-negative, sums to 1 within ``tol``."""
-  finite = jnp.all(jnp.isfinite(row))
-  negative = jnp.any(row < 0)
-  off = jnp.abs(jnp.sum(row) - 1) > tol
+def row_error(row: jax.Array, tol: float, axis_name: str | None = None) -> jax.Array:
+  """Error bits for a full probability row: finite, non-negative, sums to 1 within ``tol``.
+
+  With ``axis_name`` the row is split over that mesh axis and three scalars are summed across it.
+  """
+  nonfinite = _psum(jnp.sum(~jnp.isfinite(row), dtype=jnp.int32), axis_name) > 0
+  negative = _psum(jnp.sum(row < 0, dtype=jnp.int32), axis_name) > 0
+  off = jnp.abs(_psum(jnp.sum(row), axis_name) - 1) > tol
   return (
-    _flag(~finite, ErrorCode.NONFINITE)
+    _flag(nonfinite, ErrorCode.NONFINITE)
     | _flag(negative, ErrorCode.NEGATIVE)
-    | _flag(finite & off, ErrorCode.NOT_NORMALIZED)
+    | _flag(~nonfinite & off, ErrorCode.NOT_NORMALIZED)
   )
 
 
-def _check_shapes(p, q, draft, uniforms, name: str = "verify") -> tuple[int, int]:
+def _check_shapes(p, q, draft, uniforms, name: str = "verify",
+                  names: tuple[str, str] = ("p", "q")) -> tuple[int, int]:
   """Trace-time rank, shape and dtype checks. Returns ``(gamma, V)``."""
   hint = f" For a batch, use jax.vmap({name})."
-  ranks = (("p", p, 2), ("q", q, 2), ("draft", draft, 1), ("uniforms", uniforms, 1))
+  pn, qn = names
+  ranks = ((pn, p, 2), (qn, q, 2), ("draft", draft, 1), ("uniforms", uniforms, 1))
   for arg, value, rank in ranks:
     if not hasattr(value, "ndim"):
       raise TypeError(f"{name}: `{arg}` must be an array, got {type(value).__name__} instead.")
@@ -90,7 +100,7 @@ def _check_shapes(p, q, draft, uniforms, name: str = "verify") -> tuple[int, int
         f"{name}: `{arg}` must have rank {rank}, got shape {tuple(value.shape)} "
         f"(rank {value.ndim}) instead.{hint if value.ndim > rank else ''}"
       )
-  for arg, value in (("p", p), ("q", q), ("uniforms", uniforms)):
+  for arg, value in ((pn, p), (qn, q), ("uniforms", uniforms)):
     if not jnp.issubdtype(value.dtype, jnp.floating):
       raise TypeError(f"{name}: `{arg}` must have a floating dtype, got {value.dtype} instead.")
   if not jnp.issubdtype(draft.dtype, jnp.integer):
@@ -98,16 +108,16 @@ def _check_shapes(p, q, draft, uniforms, name: str = "verify") -> tuple[int, int
   gamma = draft.shape[0]
   vocab = p.shape[1]
   if vocab < 1:
-    raise ValueError(f"{name}: `p` must have V >= 1 columns, got shape {tuple(p.shape)} instead.")
+    raise ValueError(f"{name}: `{pn}` must have V >= 1 columns, got shape {tuple(p.shape)}.")
   if p.shape[0] != gamma + 1:
     raise ValueError(
-      f"{name}: `p` must have shape (gamma + 1, V) = ({gamma + 1}, {vocab}) for gamma = {gamma} "
-      f"(the length of `draft`), got {tuple(p.shape)} instead."
+      f"{name}: `{pn}` must have shape (gamma + 1, V) = ({gamma + 1}, {vocab}) for gamma = "
+      f"{gamma} (the length of `draft`), got {tuple(p.shape)} instead."
     )
   if q.shape != (gamma, vocab):
     raise ValueError(
-      f"{name}: `q` must have shape (gamma, V) = ({gamma}, {vocab}) for gamma = {gamma} "
-      f"(the length of `draft`) and V = {vocab} (from `p`), got {tuple(q.shape)} instead."
+      f"{name}: `{qn}` must have shape (gamma, V) = ({gamma}, {vocab}) for gamma = {gamma} "
+      f"(the length of `draft`) and V = {vocab} (from `{pn}`), got {tuple(q.shape)} instead."
     )
   if uniforms.shape != (gamma + 1,):
     raise ValueError(
@@ -117,8 +127,37 @@ def _check_shapes(p, q, draft, uniforms, name: str = "verify") -> tuple[int, int
   return gamma, vocab
 
 
-def _verify(p, q, draft, uniforms, *, pad_id: int = -1) -> VerifyResult:
-  gamma, vocab = _check_shapes(p, q, draft, uniforms)
+def check_num_draft(num_draft, gamma: int, name: str = "verify") -> None:
+  """Trace-time check of ``num_draft``: an integer scalar; concrete values must be in range."""
+  if num_draft is None:
+    return
+  shape = jnp.shape(num_draft)
+  if shape != ():
+    raise ValueError(
+      f"{name}: `num_draft` must be a scalar (one sequence; use jax.vmap for a batch), "
+      f"got shape {shape} instead."
+    )
+  dtype = jnp.result_type(num_draft)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name}: `num_draft` must be an integer, got dtype {dtype} instead.")
+  if not isinstance(num_draft, jax.core.Tracer):
+    value = int(num_draft)
+    if not 0 <= value <= gamma:
+      raise ValueError(
+        f"{name}: `num_draft` must be in [0, gamma] = [0, {gamma}], got {value} instead."
+      )
+
+
+def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
+                axis_name: str | None = None) -> VerifyResult:
+  """The rule on one sequence whose rows may be vocab-sharded (``axis_name``): the single body.
+
+  ``p``/``q`` hold this device's ``(rows, V / n)`` slice when ``axis_name`` is set
+  (inside ``shard_map``), the whole rows otherwise. Everything but the ``2 * gamma``
+  gathered scalars, three row statistics and the final sample is replicated.
+  """
+  gamma = draft.shape[0]
+  local_vocab = p.shape[-1]
   tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
   dtype = compute_dtype(p.dtype, q.dtype)
   p = p.astype(dtype)
@@ -126,43 +165,66 @@ def _verify(p, q, draft, uniforms, *, pad_id: int = -1) -> VerifyResult:
   uniforms = uniforms.astype(dtype)
   draft = draft.astype(jnp.int32)
 
+  if num_draft is None:
+    limit, bad_limit = jnp.int32(gamma), jnp.asarray(False)
+  else:
+    num_draft = jnp.asarray(num_draft).astype(jnp.int32)
+    limit = jnp.clip(num_draft, 0, gamma)
+    bad_limit = limit != num_draft
+
   # Only 2 * gamma scalars are gathered for the accept scan.
   in_range = (draft >= 0) & (draft < vocab)
   safe_draft = jnp.clip(draft, 0, vocab - 1)
   positions = jnp.arange(gamma, dtype=jnp.int32)
-  p_x = p[positions, safe_draft]
-  q_x = q[positions, safe_draft]
+  if axis_name is None:
+    p_x = jnp.take_along_axis(p[:gamma], safe_draft[:, None], axis=1)[:, 0]
+    q_x = jnp.take_along_axis(q, safe_draft[:, None], axis=1)[:, 0]
+  else:  # the device that holds the id contributes it, the others 0
+    local = safe_draft - lax.axis_index(axis_name).astype(jnp.int32) * local_vocab
+    mine = (local >= 0) & (local < local_vocab)
+    local = jnp.clip(local, 0, local_vocab - 1)
+    zero = jnp.zeros((), dtype)
+    p_x = lax.psum(jnp.where(mine, p[positions, local], zero), axis_name)
+    q_x = lax.psum(jnp.where(mine, q[positions, local], zero), axis_name)
 
   def keep_going(state):
     i, rejected = state
-    return (i < gamma) & ~rejected
+    return (i < limit) & ~rejected
 
   def test_one(state):
     i, _ = state
     ok = accepts(uniforms[i], p_x[i], q_x[i]) & in_range[i]
     return i + ok.astype(jnp.int32), ~ok
 
-  start = (jnp.int32(0), jnp.asarray(False))
+  # The carry starts as a zero that depends on every input the loop reads, so that
+  # under vmap it is batched (and sharded, on meshes with explicit axes) like them.
+  zero = (jnp.zeros_like(uniforms[0], jnp.int32) + jnp.zeros_like(limit)
+          + jnp.zeros_like(p_x[:1].sum(), jnp.int32) + jnp.zeros_like(q_x[:1].sum(), jnp.int32)
+          + jnp.zeros_like(draft[:1].sum(), jnp.int32))
+  start = (zero, zero > 0)
   num_accepted, rejected = lax.while_loop(keep_going, test_one, start) if gamma else start
   num_tests = num_accepted + rejected.astype(jnp.int32)
 
-  # The one row the final sample needs: the residual at the rejection, or p[gamma].
+  # The one row the final sample needs: the residual at the rejection, or p[limit].
   p_row = lax.dynamic_index_in_dim(p, num_accepted, keepdims=False)
   if gamma > 0:
     q_row = lax.dynamic_index_in_dim(q, jnp.minimum(num_accepted, gamma - 1), keepdims=False)
     residual = jnp.maximum(p_row - q_row, 0)
-    mass = jnp.sum(jnp.where(residual > 0, residual, 0))
+    mass = _psum(jnp.sum(jnp.where(residual > 0, residual, 0)), axis_name)
     use_residual = rejected & (mass > 0)
     weights = jnp.where(use_residual, residual, p_row)
   else:
     q_row = jnp.zeros_like(p_row)
     weights = p_row
   final_u = uniforms[num_tests]
-  token = sample_index(weights, final_u)
+  if axis_name is None:
+    token = sample_index(weights, final_u)
+  else:
+    token = sample_index_sharded(weights, final_u, axis_name)
 
   slots = jnp.arange(gamma + 1, dtype=jnp.int32)
-  padded = jnp.concatenate([safe_draft, jnp.full((1,), pad_id, jnp.int32)])
-  tokens = jnp.where(slots < num_accepted, padded, jnp.int32(pad_id))
+  kept = jnp.take(safe_draft, jnp.minimum(slots, gamma - 1)) if gamma else slots
+  tokens = jnp.where(slots < num_accepted, kept, jnp.int32(pad_id))
   tokens = jnp.where(slots == num_accepted, token, tokens)
 
   # What the step read, and whether it was valid.
@@ -174,8 +236,9 @@ def _verify(p, q, draft, uniforms, *, pad_id: int = -1) -> VerifyResult:
     | _value_error(p_x, tested, tol)
     | _value_error(q_x, tested, tol)
     | _flag(u_bad, ErrorCode.UNIFORM_OUT_OF_RANGE)
-    | row_error(p_row, tol)
-    | jnp.where(rejected, row_error(q_row, tol), jnp.int32(0))
+    | _flag(bad_limit, ErrorCode.BAD_NUM_DRAFT)
+    | row_error(p_row, tol, axis_name)
+    | jnp.where(rejected, row_error(q_row, tol, axis_name), jnp.int32(0))
   )
   return VerifyResult(
     tokens=tokens,
@@ -185,6 +248,12 @@ def _verify(p, q, draft, uniforms, *, pad_id: int = -1) -> VerifyResult:
     valid=error == 0,
     error=error,
   )
+
+
+def _verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
+  gamma, vocab = _check_shapes(p, q, draft, uniforms)
+  check_num_draft(num_draft, gamma)
+  return verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
 
 
 verify = jax.jit(_verify, static_argnames=("pad_id",))
@@ -215,6 +284,12 @@ verify.__doc__ = """Exact speculative-sampling verification of one draft sequenc
       actually sampled from (after temperature, top-k, top-p).
     draft: ``(gamma,)`` integer token ids in ``[0, V)``.
     uniforms: ``(gamma + 1,)`` floating, each in ``[0, 1)``.
+    num_draft: optional int32 scalar (traced) in ``[0, gamma]``: how many leading
+      proposals are real, for ragged batches padded to a common ``gamma``. Positions
+      at or after it are ignored and the bonus token comes from ``p[num_draft]``, so
+      the result equals a call on the unpadded arrays with ``uniforms[:num_draft + 1]``.
+      Out-of-range values are clipped and flagged with ``ErrorCode.BAD_NUM_DRAFT``.
+      ``None`` (default) means ``gamma``.
     pad_id: static int written into the unused slots of ``tokens``.
 
   Returns:
@@ -230,10 +305,58 @@ verify.__doc__ = """Exact speculative-sampling verification of one draft sequenc
     >>> verify(p, q, jnp.array([0, 2]), u).tokens.tolist()
     [2, -1, -1]
 
-    Batched: ``jax.vmap(verify)(p_b, q_b, draft_b, uniforms_b)``.
+    Batched and ragged: ``jax.vmap(verify)(p_b, q_b, draft_b, uniforms_b, num_draft=n_b)``.
 
   Reference:
     Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative
     Decoding", ICML 2023, arXiv:2211.17192; Chen et al., "Accelerating Large
     Language Model Decoding with Speculative Sampling", arXiv:2302.01318.
+  """
+
+
+def _verify_with_key(key, p, q, draft, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
+  gamma, _ = _check_shapes(p, q, draft, jnp.zeros(draft.shape[0] + 1, p.dtype),
+                           name="verify_with_key")
+  dtype = compute_dtype(p.dtype, q.dtype)
+  uniforms = jax.random.uniform(key, (gamma + 1,), dtype=dtype)
+  return _verify(p, q, draft, uniforms, num_draft=num_draft, pad_id=pad_id)
+
+
+verify_with_key = jax.jit(_verify_with_key, static_argnames=("pad_id",))
+verify_with_key.__doc__ = """:func:`verify` with its ``gamma + 1`` uniforms drawn from a key.
+
+  The uniforms are ``jax.random.uniform(key, (gamma + 1,), dtype)`` in the
+  computation dtype (float32 for float32/float16/bfloat16 inputs, float64 under
+  x64), i.e. in ``[0, 1)`` with 23 (52) random mantissa bits. A uniform of exactly
+  0 can occur (probability ``2**-23`` per draw in float32) and is handled by the
+  rule: it accepts every draft token with ``p(x) > 0`` and never one with ``p(x) == 0``,
+  and samples the first token of positive probability. All ``gamma + 1`` numbers
+  are drawn whether or not they are read, so results are reproducible per key.
+
+  For a batch, split the key once per sequence, the usual way::
+
+    keys = jax.random.split(key, batch)
+    jax.vmap(verify_with_key)(keys, p, q, draft, num_draft=num_draft)
+
+  Args:
+    key: a ``jax.random`` key (typed ``jax.random.key`` or raw ``PRNGKey``).
+    p: ``(gamma + 1, V)`` target distributions.
+    q: ``(gamma, V)`` draft distributions.
+    draft: ``(gamma,)`` integer token ids.
+    num_draft: optional int32 scalar in ``[0, gamma]``, as in :func:`verify`.
+    pad_id: static int for the unused slots.
+
+  Returns:
+    :class:`VerifyResult`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> p = jnp.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
+    >>> q = jnp.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
+    >>> r = verify_with_key(jax.random.key(0), p, q, jnp.array([1, 2]))
+    >>> 1 <= int(r.num_tokens) <= 3
+    True
+
+  Reference:
+    Leviathan, Kalman, Matias (2023), arXiv:2211.17192.
   """

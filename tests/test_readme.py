@@ -1,0 +1,11 @@
+"""Every Python example in README.md runs (the mesh example runs in tests/multidevice)."""
+
+from tests._readme import python_blocks
+
+
+def test_readme_examples_run():
+  blocks = [b for b in python_blocks() if "make_mesh" not in b]
+  assert len(blocks) >= 3
+  namespace: dict = {}
+  for block in blocks:
+    exec(compile(block, "README.md", "exec"), namespace)
