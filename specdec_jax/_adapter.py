@@ -96,22 +96,25 @@ def _as_probabilities(name: str, value, rank: int, func: str) -> np.ndarray:
 
 
 def _check_rows(name: str, array: np.ndarray, func: str) -> None:
-  """Entries finite and non-negative, every row sums to 1 within a dtype-aware tolerance."""
-  rows = np.atleast_2d(array).astype(np.float64, copy=False)
+  """Entries finite and non-negative, every row sums to 1 within a dtype-aware tolerance.
+
+  Two passes over the array (row sums in float64, and the minimum); nothing is copied.
+  """
+  rows = array.reshape(-1, array.shape[-1]) if array.ndim > 1 else array[None]
   if rows.size == 0:
     return
-  sums = rows.sum(axis=-1)
+  sums = rows.sum(axis=-1, dtype=np.float64)
   if not np.all(np.isfinite(sums)):
-    bad = np.argwhere(~np.isfinite(rows))[0]
+    bad = np.argwhere(~np.isfinite(rows.astype(np.float64)))[0]
+    index = tuple(int(b) for b in bad) if array.ndim > 1 else (int(bad[1]),)
     raise ValueError(
-      f"{func}: `{name}` must be finite, got {rows[tuple(bad)]} at index "
-      f"{tuple(int(b) for b in bad)}."
+      f"{func}: `{name}` must be finite, got {rows[tuple(bad)]} at index {index}."
     )
   if rows.min() < 0:
     bad = np.argwhere(rows < 0)[0]
+    index = tuple(int(b) for b in bad) if array.ndim > 1 else (int(bad[1]),)
     raise ValueError(
-      f"{func}: `{name}` must be non-negative, got {rows[tuple(bad)]} at index "
-      f"{tuple(int(b) for b in bad)}."
+      f"{func}: `{name}` must be non-negative, got {rows[tuple(bad)]} at index {index}."
     )
   tol = row_tolerance(array.dtype)
   off = np.abs(sums - 1.0) > tol
@@ -218,11 +221,15 @@ def speculative_step(p, q, draft, rng) -> list[int]:
   order, so repeated calls on one generator reproduce :mod:`specdec_jax.reference`
   token for token and leave the generator in the same state.
 
-  Internally the draws are laid into the ``uniforms`` vector of the jitted
-  :func:`verify`; which draws to make is decided by the same accept test that
-  ``verify`` uses. Arithmetic follows the input dtype: float64 (also Python
-  lists) is computed in float64 with ``jax.enable_x64`` switched on locally;
-  float32 in float32; float16/bfloat16 in float32.
+  Internally the accept tests are made on the host with :func:`accepts`, the
+  same function the jitted :func:`verify` scans with, so the draw count is exact;
+  the final sample is one jitted :func:`verify` call on the suffix that starts at
+  the stop position (the rejected token with its uniform, or an empty draft for
+  the bonus), so only the one or two rows it needs are moved to the device.
+
+  Arithmetic follows the input dtype: float64 (also Python lists) is computed in
+  float64 with ``jax.enable_x64`` switched on locally; float32 in float32;
+  float16/bfloat16 in float32.
 
   Args:
     p: ``(gamma + 1, V)`` target distributions; list, NumPy or JAX array.
@@ -278,24 +285,29 @@ def speculative_step(p, q, draft, rng) -> list[int]:
   positions = np.arange(gamma)
   p_x = p_arr[positions, draft_arr].astype(dtype)
   q_x = q_arr[positions, draft_arr].astype(dtype)
-  uniforms = np.zeros(gamma + 1, dtype=dtype)  # slots after the last read stay unread
-  drawn = 0
+  accepted, rejected = 0, False
   for i in range(gamma):
-    uniforms[i] = _draw(rng, dtype, func)
-    drawn += 1
-    if not accepts(uniforms[i], p_x[i], q_x[i]):
+    u = _draw(rng, dtype, func)
+    if not accepts(u, p_x[i], q_x[i]):
+      rejected = True
       break
-  uniforms[drawn] = _draw(rng, dtype, func)
-  drawn += 1
+    accepted += 1
+  final = _draw(rng, dtype, func)
 
+  # The accept decisions above are final (they came from the same `accepts` that
+  # verify uses). What remains is one step of verify on the suffix that starts at the
+  # stop position: a one-token draft that verify rejects with the same uniform, or
+  # an empty draft whose bonus token comes from p[gamma]. Only those rows reach JAX.
+  if rejected:
+    n = accepted
+    sub = (p_arr[[n, n]], q_arr[[n]], draft_arr[[n]], np.stack([u, final]))
+  else:
+    sub = (p_arr[[gamma]], q_arr[:0], draft_arr[:0], np.stack([final]))
   with _x64_if(dtype):
-    result = verify(jnp.asarray(p_arr), jnp.asarray(q_arr), jnp.asarray(draft_arr),
-                    jnp.asarray(uniforms))
-    tokens, num_tokens, num_uniforms = jax.device_get(
-      (result.tokens, result.num_tokens, result.num_uniforms)
-    )
-  if int(num_uniforms) != drawn:  # the rule lives in `accepts`; this cannot drift
+    result = verify(*(jnp.asarray(a) for a in sub))
+    token, num_uniforms = jax.device_get((result.tokens[0], result.num_uniforms))
+  if int(num_uniforms) != 1 + rejected:  # the rule lives in `accepts`; this cannot drift
     raise RuntimeError(
-      f"{func}: internal error, drew {drawn} uniforms but verify read {int(num_uniforms)}."
+      f"{func}: internal error, the accept decisions of the host and of verify disagree."
     )
-  return [int(t) for t in tokens[: int(num_tokens)]]
+  return [*(int(x) for x in draft_arr[:accepted]), int(token)]

@@ -8,11 +8,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._rows import stop_row_stats
+from specdec_jax._rows import weights
 from specdec_jax._rule import ErrorCode
 from specdec_jax._rule import accepts
 from specdec_jax._rule import row_tolerance
-from specdec_jax._sampling import sample_index
-from specdec_jax._sampling import sample_index_sharded
+from specdec_jax._sampling import BLOCK
+from specdec_jax._sampling import _sanitize
+from specdec_jax._sampling import block_start
+from specdec_jax._sampling import mask_block
+from specdec_jax._sampling import pick_block
+from specdec_jax._sampling import pick_in_block
+from specdec_jax._sampling import sharded_inverse_cdf
 
 
 class VerifyResult(NamedTuple):
@@ -59,16 +66,18 @@ def _psum(x: jax.Array, axis_name: str | None) -> jax.Array:
   return x if axis_name is None else lax.psum(x, axis_name)
 
 
-def _value_error(values: jax.Array, mask: jax.Array, tol: float) -> jax.Array:
-  """Error bits for probabilities ``values`` where ``mask`` (each must be in ``[0, 1]``)."""
-  nonfinite = jnp.any(mask & ~jnp.isfinite(values))
-  negative = jnp.any(mask & (values < 0))
-  too_big = jnp.any(mask & (values > 1 + tol))
+def _value_codes(values: jax.Array, tol: float) -> jax.Array:
+  """Per-entry error bits of probabilities that must lie in ``[0, 1]`` (int32, same shape)."""
   return (
-    _flag(nonfinite, ErrorCode.NONFINITE)
-    | _flag(negative, ErrorCode.NEGATIVE)
-    | _flag(too_big, ErrorCode.NOT_NORMALIZED)
+    _flag(~jnp.isfinite(values), ErrorCode.NONFINITE)
+    | _flag(values < 0, ErrorCode.NEGATIVE)
+    | _flag(values > 1 + tol, ErrorCode.NOT_NORMALIZED)
   )
+
+
+def _or_reduce(codes: jax.Array) -> jax.Array:
+  """Bitwise OR of all entries of an int32 array (one reduction)."""
+  return lax.reduce(codes, jnp.int32(0), lax.bitwise_or, tuple(range(codes.ndim)))
 
 
 def row_error(row: jax.Array, tol: float, axis_name: str | None = None) -> jax.Array:
@@ -83,6 +92,27 @@ def row_error(row: jax.Array, tol: float, axis_name: str | None = None) -> jax.A
     _flag(nonfinite, ErrorCode.NONFINITE)
     | _flag(negative, ErrorCode.NEGATIVE)
     | _flag(~nonfinite & off, ErrorCode.NOT_NORMALIZED)
+  )
+
+
+def _stop_row_error(masses, p_sum, q_sum, rejected, tol, axis_name) -> jax.Array:
+  """Error bits of the stop row(s) from the fused passes' results.
+
+  ``masses`` are block sums in which a negative entry was replaced by ``-inf``: a
+  NaN or ``+inf`` sum flags NONFINITE, ``-inf`` flags NEGATIVE. The sums of
+  ``p[n]`` (and of ``q[n]`` after a rejection) must be 1 within ``tol``.
+  """
+  nonfinite = _psum(jnp.sum(jnp.isnan(masses) | (masses == jnp.inf), dtype=jnp.int32),
+                    axis_name) > 0
+  nonfinite = (nonfinite | jnp.isnan(p_sum) | (p_sum == jnp.inf)
+               | (rejected & ~jnp.isfinite(q_sum)))
+  negative = (_psum(jnp.sum(masses == -jnp.inf, dtype=jnp.int32), axis_name) > 0) | (
+    p_sum == -jnp.inf)
+  off = (jnp.abs(p_sum - 1) > tol) | (rejected & (jnp.abs(q_sum - 1) > tol))
+  return (
+    _flag(nonfinite, ErrorCode.NONFINITE)
+    | _flag(negative, ErrorCode.NEGATIVE)
+    | _flag(~nonfinite & ~negative & off, ErrorCode.NOT_NORMALIZED)
   )
 
 
@@ -160,8 +190,6 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   local_vocab = p.shape[-1]
   tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
   dtype = compute_dtype(p.dtype, q.dtype)
-  p = p.astype(dtype)
-  q = q.astype(dtype)
   uniforms = uniforms.astype(dtype)
   draft = draft.astype(jnp.int32)
 
@@ -177,15 +205,15 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   safe_draft = jnp.clip(draft, 0, vocab - 1)
   positions = jnp.arange(gamma, dtype=jnp.int32)
   if axis_name is None:
-    p_x = jnp.take_along_axis(p[:gamma], safe_draft[:, None], axis=1)[:, 0]
-    q_x = jnp.take_along_axis(q, safe_draft[:, None], axis=1)[:, 0]
+    p_x = p[positions, safe_draft].astype(dtype)
+    q_x = q[positions, safe_draft].astype(dtype)
   else:  # the device that holds the id contributes it, the others 0
     local = safe_draft - lax.axis_index(axis_name).astype(jnp.int32) * local_vocab
     mine = (local >= 0) & (local < local_vocab)
     local = jnp.clip(local, 0, local_vocab - 1)
     zero = jnp.zeros((), dtype)
-    p_x = lax.psum(jnp.where(mine, p[positions, local], zero), axis_name)
-    q_x = lax.psum(jnp.where(mine, q[positions, local], zero), axis_name)
+    p_x = lax.psum(jnp.where(mine, p[positions, local].astype(dtype), zero), axis_name)
+    q_x = lax.psum(jnp.where(mine, q[positions, local].astype(dtype), zero), axis_name)
 
   def keep_going(state):
     i, rejected = state
@@ -205,22 +233,36 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   num_accepted, rejected = lax.while_loop(keep_going, test_one, start) if gamma else start
   num_tests = num_accepted + rejected.astype(jnp.int32)
 
-  # The one row the final sample needs: the residual at the rejection, or p[limit].
-  p_row = lax.dynamic_index_in_dim(p, num_accepted, keepdims=False)
-  if gamma > 0:
-    q_row = lax.dynamic_index_in_dim(q, jnp.minimum(num_accepted, gamma - 1), keepdims=False)
-    residual = jnp.maximum(p_row - q_row, 0)
-    mass = _psum(jnp.sum(jnp.where(residual > 0, residual, 0)), axis_name)
-    use_residual = rejected & (mass > 0)
-    weights = jnp.where(use_residual, residual, p_row)
-  else:
-    q_row = jnp.zeros_like(p_row)
-    weights = p_row
+  # The stop row: the residual max(p[n] - q[n], 0) after a rejection at n, or p[n]
+  # for the bonus (n = limit). One streamed read of it gives the block masses of the
+  # sampling weights, the block sums of p[n] and the sum of q[n] (see _rows.py);
+  # then one block of each row is read again for the inverse CDF. No (gamma + 1, V)
+  # array is ever formed.
+  row = num_accepted
+  q_row_index = jnp.minimum(row, max(gamma - 1, 0))
+  block = min(BLOCK, local_vocab)
+  masses, p_masses, q_sum = stop_row_stats(p, q, row, q_row_index, rejected, block=block,
+                                           dtype=dtype)
+  q_sum = _psum(q_sum, axis_name)
+  p_sum = _psum(jnp.sum(p_masses), axis_name)
+
+  clean = jnp.where(jnp.isfinite(masses) & (masses > 0), masses, 0)
+  clean_p = jnp.where(jnp.isfinite(p_masses) & (p_masses > 0), p_masses, 0)
+  use_residual = rejected & (_psum(jnp.sum(clean), axis_name) > 0)  # else fall back to p[n]
+  clean = jnp.where(use_residual | ~rejected, clean, clean_p)
+
+  def block_values(lo, start, size):
+    p_part = lax.dynamic_slice(p, (row, start), (1, size))[0]
+    q_part = lax.dynamic_slice(q, (q_row_index, start), (1, size))[0] if gamma else None
+    return mask_block(_sanitize(weights(p_part, q_part, use_residual, dtype)), lo, start)
+
   final_u = uniforms[num_tests]
   if axis_name is None:
-    token = sample_index(weights, final_u)
+    b, rest = pick_block(clean, final_u * jnp.sum(clean))
+    lo, start = block_start(b, local_vocab, block)
+    token = start + pick_in_block(block_values(lo, start, block), rest)
   else:
-    token = sample_index_sharded(weights, final_u, axis_name)
+    token = sharded_inverse_cdf(clean, block_values, final_u, local_vocab, axis_name)
 
   slots = jnp.arange(gamma + 1, dtype=jnp.int32)
   kept = jnp.take(safe_draft, jnp.minimum(slots, gamma - 1)) if gamma else slots
@@ -228,17 +270,21 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   tokens = jnp.where(slots == num_accepted, token, tokens)
 
   # What the step read, and whether it was valid.
+  # Per tested position: the draft id and its two gathered probabilities; per read
+  # slot: the uniform. One OR-reduction over all of them.
   tested = positions < num_tests
-  read_u = slots <= num_tests
-  u_bad = jnp.any(read_u & ~((uniforms >= 0) & (uniforms < 1)))
+  position_codes = jnp.where(
+    tested,
+    _flag(~in_range, ErrorCode.DRAFT_OUT_OF_RANGE) | _value_codes(p_x, tol)
+    | _value_codes(q_x, tol),
+    0,
+  )
+  u_codes = _flag((slots <= num_tests) & ~((uniforms >= 0) & (uniforms < 1)),
+                  ErrorCode.UNIFORM_OUT_OF_RANGE)
   error = (
-    _flag(jnp.any(tested & ~in_range), ErrorCode.DRAFT_OUT_OF_RANGE)
-    | _value_error(p_x, tested, tol)
-    | _value_error(q_x, tested, tol)
-    | _flag(u_bad, ErrorCode.UNIFORM_OUT_OF_RANGE)
+    _or_reduce(jnp.concatenate([position_codes, u_codes]))
     | _flag(bad_limit, ErrorCode.BAD_NUM_DRAFT)
-    | row_error(p_row, tol, axis_name)
-    | jnp.where(rejected, row_error(q_row, tol, axis_name), jnp.int32(0))
+    | _stop_row_error(masses, p_sum, q_sum, rejected, tol, axis_name)
   )
   return VerifyResult(
     tokens=tokens,

@@ -1,0 +1,630 @@
+"""Benchmark of ``jax.jit(jax.vmap(verify))`` against baselines: ``python -m specdec_jax.bench``.
+
+For every configuration (batch ``B``, draft length ``gamma``, vocabulary ``V``, float32) one set
+of random inputs is generated and every implementation is timed on it in the same process, one
+after the other, as the median of ``--repeats`` calls after a warm-up call (JAX results are
+waited for with ``jax.block_until_ready``), so each ratio compares two numbers measured side by
+side in one run. Columns: ``tok/step`` is the mean number of tokens a sequence emitted
+(``num_accepted + 1``); ``verify ms`` is ``jax.jit(jax.vmap(verify))`` on the whole batch
+(on a GPU also its bandwidth, bytes the rule needs / time, and that as a share of
+``--peak-gbps``); ``floor`` is NumPy reading exactly the bytes the rule needs (per sequence the
+``p`` row at the stop position, the ``q`` row there if a proposal was rejected, and the
+``2 * gamma`` gathered scalars), with those bytes (``floor MB``) and its GB/s, and
+``verify/floor`` is how many floors ``verify`` takes; ``eager-JAX`` is
+:func:`eager_recovery_verify`, a jitted, fully vectorised sampler in the style of the rejection
+samplers of vLLM V1 and vllm-project/tpu-inference that computes the residual and an
+exponential-race sample over the full vocabulary at every position; ``torch`` is a batched
+PyTorch CPU sampler in the style of Hugging Face transformers' ``_speculative_sampling`` and vLLM
+V0 (normalised residual and ``torch.multinomial`` at every position), ``n/a`` without torch;
+``reference`` is :func:`specdec_jax.reference.speculative_step` in a Python loop over the batch
+(a ``*`` marks a time measured on the first ``--reference-max-batch`` sequences and scaled
+linearly to ``B``); every ``x/verify`` column is ``x``'s time over ``verify``'s, i.e. the
+speed-up of ``verify`` over ``x``; ``compile s`` is the wall time of
+``jax.jit(jax.vmap(verify)).lower(...).compile()`` (tracing and XLA compilation, not part of
+``verify ms``). A second table gives the per-call latency of the host API
+:func:`specdec_jax.speculative_step` against the NumPy reference on one sequence. To add a
+variant, append a :class:`Method` to :func:`default_methods`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import os
+import statistics
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import specdec_jax
+from specdec_jax import reference
+
+PAD_ID = -1
+MIX = 0.55  # q = MIX * p + (1 - MIX) * noise: acceptance rate ~0.7 per position
+HEADER = ("B", "gamma", "V", "tok/step")  # the first columns of the main table
+LATENCY_CALLS = 50  # minimum number of timed calls for the per-call latency table
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("pad_id",))
+def eager_recovery_verify(p, q, draft, uniforms, key, *, pad_id: int = PAD_ID):
+  """Exact but wasteful batched verification: every position's replacement is sampled eagerly.
+
+  The shape of vLLM V1's and vllm-project/tpu-inference's rejection samplers: the accept
+  test at every position, the residual ``max(p - q, 0)`` over the full vocabulary at every
+  position, a replacement at every position and the bonus token from ``p[:, gamma]`` by an
+  exponential race (``argmax(w / E)`` with ``E ~ Exponential(1)`` drawn over
+  ``(B, gamma + 1, V)`` is distributed as ``w / sum(w)``), then the output chosen by the
+  first rejection. Inputs as ``jax.vmap(verify)`` plus a ``jax.random`` key; returns
+  ``(tokens (B, gamma + 1), num_accepted (B,))``.
+  """
+  batch, gamma, _ = q.shape
+  ids = draft[..., None]
+  p_x = jnp.take_along_axis(p[:, :gamma], ids, axis=-1)[..., 0]
+  q_x = jnp.take_along_axis(q, ids, axis=-1)[..., 0]
+  accepted = uniforms[:, :gamma] * q_x < p_x  # u < p/q without dividing: q == 0 < p accepts
+  residual = jnp.maximum(p[:, :gamma] - q, 0)  # (B, gamma, V) at every position
+  empty = jnp.sum(residual, axis=-1, keepdims=True) <= 0  # p == q: fall back to p
+  weights = jnp.concatenate([jnp.where(empty, p[:, :gamma], residual), p[:, gamma:]], axis=1)
+  noise = jax.random.exponential(key, weights.shape, weights.dtype)
+  race = jnp.where(weights > 0, weights / noise, -1)  # a weight-0 id never wins, even if E == 0
+  candidates = jnp.argmax(race, axis=-1).astype(jnp.int32)  # replacements, then the bonus
+  num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
+  slots = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+  stop = num_accepted[:, None]
+  kept = jnp.concatenate([draft.astype(jnp.int32), jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  final = jnp.take_along_axis(candidates, stop, axis=1)
+  tokens = jnp.where(slots < stop, kept, jnp.where(slots == stop, final, pad_id))
+  return tokens, num_accepted
+
+
+def torch_speculative_sampling(p, q, draft, uniforms):
+  """Batched PyTorch sampler in the style of HF ``_speculative_sampling`` / vLLM V0.
+
+  The normalised residual and a ``torch.multinomial`` replacement at every position, the
+  bonus from ``p[:, gamma]``, the accept mask from the uniforms and the first rejection.
+  Args are torch tensors shaped like ``jax.vmap(verify)``'s (``draft`` int64); returns
+  ``(tokens (B, gamma + 1), num_accepted (B,))``.
+  """
+  import torch
+
+  batch, gamma, vocab = q.shape
+  p_draft = p[:, :gamma]
+  ids = draft.unsqueeze(-1)
+  p_x = p_draft.gather(-1, ids).squeeze(-1)
+  q_x = q.gather(-1, ids).squeeze(-1)
+  accepted = uniforms[:, :gamma] * q_x < p_x
+  residual = (p_draft - q).clamp_(min=0)
+  mass = residual.sum(-1, keepdim=True)
+  residual = torch.where(mass > 0, residual / mass, p_draft)  # normalised; p where p == q
+  recovered = torch.multinomial(residual.reshape(-1, vocab), 1).view(batch, gamma)
+  bonus = torch.multinomial(p[:, gamma], 1)
+  num_accepted = accepted.int().cumprod(-1).sum(-1)
+  candidates = torch.cat([recovered, bonus], 1)
+  kept = torch.cat([draft, torch.zeros_like(bonus)], 1)
+  slots = torch.arange(gamma + 1).unsqueeze(0)
+  stop = num_accepted.unsqueeze(-1).long()
+  final = candidates.gather(1, stop)
+  tokens = torch.where(slots < stop, kept, torch.where(slots == stop, final, PAD_ID))
+  return tokens, num_accepted
+
+
+def _import_torch():
+  """The ``torch`` module, or ``None`` when it cannot be imported."""
+  try:
+    import torch
+  except Exception:  # not installed, or a broken install: the column shows n/a
+    return None
+  return torch
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+  """One configuration's inputs, on the host and on the default JAX device.
+
+  ``num_accepted`` is filled in by the ``verify`` method (the first one run) and read by the
+  floor, which needs to know which rows the rule stops at.
+  """
+
+  batch: int
+  gamma: int
+  vocab: int
+  p: np.ndarray  # (B, gamma + 1, V) float32
+  q: np.ndarray  # (B, gamma, V) float32
+  draft: np.ndarray  # (B, gamma) int32, sampled from q
+  uniforms: np.ndarray  # (B, gamma + 1) float32
+  seed: int
+  device: tuple[jax.Array, ...] = ()
+  num_accepted: np.ndarray | None = None
+
+  @property
+  def rule_bytes(self) -> int:
+    """Bytes the rule needs: per sequence the stop row of p, of q if rejected, 2 * gamma scalars."""
+    if self.num_accepted is None:
+      raise RuntimeError("rule_bytes needs num_accepted from the verify method.")
+    rejected = int(np.sum(self.num_accepted < self.gamma))
+    rows = self.batch + rejected
+    return self.p.itemsize * (rows * self.vocab + 2 * self.gamma * self.batch)
+
+  def release(self) -> None:
+    """Free the device buffers and drop the host arrays."""
+    for array in self.device:
+      array.delete()
+    self.device = ()
+    self.p = self.q = self.draft = self.uniforms = None  # type: ignore[assignment]
+
+
+def make_case(batch: int, gamma: int, vocab: int, seed: int) -> Case:
+  """Cheap random float32 inputs with an acceptance rate of about 0.7 per position.
+
+  ``p`` is normalised ``uniform ** 4``, ``q`` a normalised mix of ``p`` and independent
+  noise of the same kind, ``draft`` is sampled from ``q`` by the inverse CDF and
+  ``uniforms`` are NumPy uniforms. Works in place to keep the peak memory near the size of
+  ``p`` and ``q``.
+  """
+  rng = np.random.default_rng([seed, batch, gamma, vocab])
+  p = rng.random((batch, gamma + 1, vocab), dtype=np.float32)
+  p *= p
+  p *= p
+  p /= p.sum(axis=-1, keepdims=True)
+  q = rng.random((batch, gamma, vocab), dtype=np.float32)
+  q *= q
+  q *= q
+  q *= (1 - MIX) / q.sum(axis=-1, keepdims=True)
+  for b in range(batch):  # no (B, gamma, V) temporary
+    q[b] += MIX * p[b, :gamma]
+  q /= q.sum(axis=-1, keepdims=True)
+
+  targets = rng.random((batch, gamma))
+  draft = np.empty((batch, gamma), dtype=np.int32)
+  for b in range(batch):
+    cdf = np.cumsum(q[b], axis=-1, dtype=np.float64)
+    for i in range(gamma):
+      draft[b, i] = np.searchsorted(cdf[i], targets[b, i] * cdf[i, -1], side="right")
+  np.minimum(draft, vocab - 1, out=draft)
+  uniforms = rng.random((batch, gamma + 1), dtype=np.float32)
+  case = Case(batch, gamma, vocab, p, q, draft, uniforms, seed)
+  case.device = tuple(jax.device_put(x) for x in (p, q, draft, uniforms))
+  return case
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods: named timed callables
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Timed:
+  """A prepared, zero-argument call to time, and what is known about it.
+
+  Attributes:
+    call: runs the method once on the case's inputs and returns its output.
+    scale: the measured time is multiplied by this (extrapolation to the whole batch).
+    covered: how many sequences ``call`` processes, when fewer than the batch.
+    compile_s: compilation time, where there is one.
+    nbytes: bytes the method reads, for a GB/s column.
+    num_accepted: extracts ``num_accepted`` (for the sequences covered) from the output, for a
+      cross-check against ``verify``; ``None`` to skip the check.
+  """
+
+  call: Callable[[], Any]
+  scale: float = 1.0
+  covered: int | None = None
+  compile_s: float | None = None
+  nbytes: int | None = None
+  num_accepted: Callable[[Any], np.ndarray] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """One column group of the table.
+
+  Attributes:
+    name: title prefix, e.g. ``"torch"`` gives ``"torch ms"``.
+    prepare: ``(case, args) -> Timed``, or ``None`` when the method is unavailable (``n/a``).
+    ratio: ``"over"`` for a ``name/verify`` column, ``"under"`` for ``verify/name``, ``""`` none.
+    show_bytes: add a ``name MB`` column with :attr:`Timed.nbytes`.
+    show_bandwidth: add a ``name GB/s`` column when :attr:`Timed.nbytes` is known.
+    show_peak: add a ``% peak`` column (share of ``--peak-gbps``) when the backend is a GPU.
+  """
+
+  name: str
+  prepare: Callable[[Case, argparse.Namespace], Timed | None]
+  ratio: str = "over"
+  show_bytes: bool = False
+  show_bandwidth: bool = False
+  show_peak: bool = False
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def _compile(fn, *args) -> tuple[Callable, float]:
+  start = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+def _prepare_verify(case: Case, args: argparse.Namespace) -> Timed:
+  compiled, compile_s = _compile(jax.jit(jax.vmap(specdec_jax.verify)), *case.device)
+  result = jax.block_until_ready(compiled(*case.device))
+  case.num_accepted = np.asarray(result.num_accepted)
+  if not bool(np.all(np.asarray(result.valid))):
+    raise RuntimeError(f"verify flagged invalid inputs: errors {np.unique(result.error)}")
+  return Timed(
+    call=lambda: compiled(*case.device),
+    compile_s=compile_s,
+    nbytes=case.rule_bytes if _on_gpu() else None,
+    num_accepted=lambda out: np.asarray(out.num_accepted),
+  )
+
+
+def _prepare_floor(case: Case, args: argparse.Namespace) -> Timed:
+  p, q, draft, gamma = case.p, case.q, case.draft, case.gamma
+  stops = [int(s) for s in case.num_accepted]
+  rows = np.arange(case.batch)[:, None]
+  positions = np.arange(gamma)[None, :]
+
+  def floor() -> float:
+    total = float(p[rows, positions, draft].sum()) + float(q[rows, positions, draft].sum())
+    for b, stop in enumerate(stops):
+      total += float(p[b, stop].sum())
+      if stop < gamma:
+        total += float(q[b, stop].sum())
+    return total
+
+  return Timed(call=floor, nbytes=case.rule_bytes)
+
+
+def _prepare_eager(case: Case, args: argparse.Namespace) -> Timed:
+  inputs = (*case.device, jax.random.key(args.seed))
+  compiled, compile_s = _compile(eager_recovery_verify, *inputs)
+  return Timed(call=lambda: compiled(*inputs), compile_s=compile_s,
+               num_accepted=lambda out: np.asarray(out[1]))
+
+
+def _prepare_torch(case: Case, args: argparse.Namespace) -> Timed | None:
+  torch = None if args.no_torch else _import_torch()
+  if torch is None or case.gamma == 0:
+    return None
+  torch.manual_seed(args.seed)
+  inputs = (torch.from_numpy(case.p), torch.from_numpy(case.q),
+            torch.from_numpy(case.draft.astype(np.int64)), torch.from_numpy(case.uniforms))
+  return Timed(call=lambda: torch_speculative_sampling(*inputs),
+               num_accepted=lambda out: out[1].numpy())
+
+
+def _prepare_reference(case: Case, args: argparse.Namespace) -> Timed:
+  covered = max(1, min(case.batch, args.reference_max_batch))
+  p, q, draft, uniforms = case.p, case.q, case.draft, case.uniforms
+
+  def loop() -> list[list[int]]:
+    return [reference.speculative_step(p[b], q[b], draft[b], specdec_jax.UniformStream(uniforms[b]))
+            for b in range(covered)]
+
+  return Timed(call=loop, scale=case.batch / covered,
+               covered=covered if covered < case.batch else None,
+               num_accepted=lambda out: np.array([len(tokens) - 1 for tokens in out]))
+
+
+def default_methods() -> list[Method]:
+  """The timed methods, in column order; the first is the one every ratio refers to."""
+  return [
+    Method("verify", _prepare_verify, ratio="", show_bandwidth=True, show_peak=True),
+    Method("floor", _prepare_floor, ratio="under", show_bytes=True, show_bandwidth=True),
+    Method("eager-JAX", _prepare_eager),
+    Method("torch", _prepare_torch),
+    Method("reference", _prepare_reference),
+  ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Cell:
+  """What one method measured on one configuration (``ms is None``: n/a or failed)."""
+
+  ms: float | None = None
+  extrapolated: bool = False
+  compile_s: float | None = None
+  nbytes: int | None = None
+  error: str | None = None
+
+
+def median_seconds(call: Callable[[], Any], repeats: int) -> float:
+  """Median wall time of ``repeats`` calls of ``call``, each waited for with block_until_ready."""
+  times = []
+  for _ in range(max(1, repeats)):
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def run_case(case: Case, methods: Sequence[Method], args: argparse.Namespace,
+             warnings: list[str]) -> dict[str, Cell]:
+  """Prepare, warm up, cross-check and time every method on ``case``.
+
+  The first method must set ``case.num_accepted``; every other method whose output says how
+  many proposals it kept is checked against it (the accept tests read the same uniforms).
+  A method other than the first that raises gets an error cell and a warning.
+  """
+  label = f"B={case.batch} gamma={case.gamma} V={case.vocab}"
+  cells: dict[str, Cell] = {}
+  for index, method in enumerate(methods):
+    try:
+      timed = method.prepare(case, args)
+      if timed is None:
+        cells[method.name] = Cell()
+        continue
+      output = jax.block_until_ready(timed.call())  # warm-up, and the output to check
+      if timed.num_accepted is not None and case.num_accepted is not None:
+        got = timed.num_accepted(output)
+        want = case.num_accepted[: len(got)]
+        if not np.array_equal(got, want):
+          bad = int(np.sum(got != want))
+          warnings.append(f"{label}: {method.name} kept a different number of proposals than "
+                          f"verify in {bad} of {len(got)} sequences.")
+      seconds = median_seconds(timed.call, args.repeats) * timed.scale
+      cells[method.name] = Cell(ms=seconds * 1e3, extrapolated=timed.covered is not None,
+                                compile_s=timed.compile_s, nbytes=timed.nbytes)
+      del output, timed
+    except Exception as err:
+      if index == 0:
+        raise
+      warnings.append(f"{label}: {method.name} failed: {type(err).__name__}: {err}")
+      cells[method.name] = Cell(error=type(err).__name__)
+  return cells
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt(value: float, suffix: str = "") -> str:
+  """Three significant digits without exponents."""
+  if value >= 100:
+    return f"{value:.0f}{suffix}"
+  if value >= 10:
+    return f"{value:.1f}{suffix}"
+  if value >= 1:
+    return f"{value:.2f}{suffix}"
+  return f"{value:.3f}{suffix}"
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool,
+                 left: int = 0) -> str:
+  """Aligned plain text (right-aligned but the first ``left`` columns), or a Markdown table."""
+  if markdown:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(":---" if i < left else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+  widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+
+  def line(cells: Sequence[str]) -> str:
+    return "  ".join(cell.ljust(w) if i < left else cell.rjust(w)
+                     for i, (cell, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+  return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def _notes(notes: Sequence[str], markdown: bool) -> str:
+  """Footnotes: Markdown paragraphs, or indented and wrapped at 100 columns."""
+  if markdown:
+    return "\n\n".join(notes)
+  return "\n".join(textwrap.fill(n, 100, initial_indent="  ", subsequent_indent="    ")
+                   for n in notes)
+
+
+def _columns(methods: Sequence[Method], gpu: bool) -> list[tuple[Method, str]]:
+  """The (method, kind) pairs after the fixed columns, in order."""
+  columns: list[tuple[Method, str]] = []
+  for method in methods:
+    columns.append((method, "ms"))
+    if method.show_bytes:
+      columns.append((method, "MB"))
+    if method.show_bandwidth and (gpu or method.show_bytes):
+      columns.append((method, "GB/s"))
+    if method.show_peak and gpu:
+      columns.append((method, "% peak"))
+    if method.ratio:
+      columns.append((method, method.ratio))
+  return columns
+
+
+def _title(method: Method, kind: str, base: str) -> str:
+  if kind == "over":
+    return f"{method.name.split('-')[0]}/{base}"
+  if kind == "under":
+    return f"{base}/{method.name}"
+  if kind == "% peak":
+    return f"{method.name} % peak"
+  return f"{method.name} {kind}"
+
+
+def _cell(cells: dict[str, Cell], method: Method, kind: str, base: str, peak_gbps: float) -> str:
+  cell = cells[method.name]
+  if cell.error:
+    return "error"
+  if cell.ms is None:
+    return "n/a"
+  star = "*" if cell.extrapolated else ""
+  if kind == "ms":
+    return _fmt(cell.ms) + star
+  if kind == "MB":
+    return "n/a" if cell.nbytes is None else _fmt(cell.nbytes / 1e6)
+  if kind in ("GB/s", "% peak"):
+    if cell.nbytes is None:
+      return "n/a"
+    gbps = cell.nbytes / (cell.ms * 1e-3) / 1e9
+    return _fmt(gbps) if kind == "GB/s" else _fmt(100 * gbps / peak_gbps)
+  reference_ms = cells[base].ms
+  if reference_ms is None:
+    return "n/a"
+  ratio = cell.ms / reference_ms if kind == "over" else reference_ms / cell.ms
+  return _fmt(ratio, "x") + star
+
+
+def main_table(results, methods: Sequence[Method], args: argparse.Namespace) -> str:
+  """The main table: one row per configuration, with its footnotes."""
+  gpu = _on_gpu()
+  base = methods[0].name
+  columns = _columns(methods, gpu)
+  header = [*HEADER, *(_title(m, kind, base) for m, kind in columns), "compile s"]
+  rows = []
+  for case_key, tok_per_step, cells in results:
+    batch, gamma, vocab = case_key
+    compile_s = cells[base].compile_s
+    rows.append([str(batch), str(gamma), str(vocab), f"{tok_per_step:.2f}",
+                 *(_cell(cells, m, kind, base, args.peak_gbps) for m, kind in columns),
+                 "n/a" if compile_s is None else f"{compile_s:.2f}"])
+  notes = [
+    f"times: median of {args.repeats} calls after one warm-up call, in ms; ratios x/{base}: "
+    f"x's time over {base}'s ({base}'s speed-up); {base}/floor: {base}'s time in floors.",
+    "floor: NumPy reading the bytes the rule needs (the stop row of p, of q if rejected, "
+    "2*gamma gathered scalars per sequence); floor MB: those bytes.",
+    f"compile s: wall time of jax.jit(jax.vmap(verify)).lower(...).compile(), not in {base} ms.",
+  ]
+  if gpu:
+    notes.append(f"{base} GB/s: bytes the rule needs (floor MB) / {base} time; % peak of "
+                 f"--peak-gbps {args.peak_gbps:g}.")
+  if any(cells[m.name].extrapolated for _, _, cells in results for m in methods):
+    notes.append(f"* timed on the first {args.reference_max_batch} sequences and scaled "
+                 "linearly to B (--reference-max-batch).")
+  if any(cells[m.name].ms is None and not cells[m.name].error
+         for _, _, cells in results for m in methods):
+    notes.append("n/a: not available in this run (e.g. torch not installed, or --no-torch).")
+  return format_table(header, rows, args.markdown) + "\n\n" + _notes(notes, args.markdown)
+
+
+def latency_table(args: argparse.Namespace) -> str:
+  """Per-call latency of the host API against the NumPy reference on one sequence."""
+  case = make_case(1, 4, 32000, args.seed)
+  p, q, draft = case.p[0], case.q[0], case.draft[0]
+  device = tuple(x[0] for x in case.device)
+  generators = {name: np.random.default_rng(args.seed) for name in ("lib", "ref")}
+  calls = {
+    "specdec_jax.speculative_step": (
+      lambda: specdec_jax.speculative_step(p, q, draft, generators["lib"])),
+    "specdec_jax.reference.speculative_step": (
+      lambda: reference.speculative_step(p, q, draft, generators["ref"])),
+    "specdec_jax.verify (jitted, device arrays)": lambda: specdec_jax.verify(*device),
+  }
+  repeats = max(args.repeats, LATENCY_CALLS)
+  timings = {}
+  for name, call in calls.items():
+    jax.block_until_ready(call())
+    timings[name] = median_seconds(call, repeats) * 1e3
+  case.release()
+  reference_ms = timings["specdec_jax.reference.speculative_step"]
+  rows = [[name, _fmt(ms), _fmt(reference_ms / ms, "x")] for name, ms in timings.items()]
+  header = ["B=1, gamma=4, V=32000, float32 NumPy inputs", "ms/call", "reference/this"]
+  note = (f"median of {repeats} calls; speculative_step and the reference draw from a "
+          "numpy.random.Generator; verify skips the host-side checks and the adapter.")
+  return format_table(header, rows, args.markdown, left=1) + "\n\n" + _notes([note], args.markdown)
+
+
+def header_line(args: argparse.Namespace) -> str:
+  """Versions and the machine."""
+  if args.no_torch:
+    torch_text = "torch disabled (--no-torch)"
+  else:
+    torch = _import_torch()
+    torch_text = ("torch not installed" if torch is None
+                  else f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+  device = jax.devices()[0]
+  return (f"specdec_jax {specdec_jax.__version__} | jax {jax.__version__} | "
+          f"backend {jax.default_backend()} | device {device.device_kind} | "
+          f"CPUs {os.cpu_count()} | numpy {np.__version__} | {torch_text} | float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+    prog="python -m specdec_jax.bench",
+    description="Time jax.jit(jax.vmap(verify)) against a read floor and baselines, side by side.",
+  )
+  parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+  parser.add_argument("--gamma", type=int, nargs="+", default=[4, 8])
+  parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+  parser.add_argument("--repeats", type=int, default=7, help="timed calls per cell (median)")
+  parser.add_argument("--reference-max-batch", type=int, default=64,
+                      help="time the NumPy reference on at most this many sequences, scale to B")
+  parser.add_argument("--tiny", action="store_true",
+                      help="batch 2, gamma 2, V 1000, 2 repeats (a smoke test for CI)")
+  parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+  parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+  parser.add_argument("--peak-gbps", type=float, default=4800.0,
+                      help="device peak memory bandwidth for the GPU %% peak column (H200: 4800)")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  if args.tiny:
+    args.batch, args.gamma, args.vocab, args.repeats = [2], [2], [1000], 2
+  for name in ("batch", "vocab"):
+    if min(getattr(args, name)) < 1:
+      parser.error(f"--{name} values must be >= 1")
+  if min(args.gamma) < 0:
+    parser.error("--gamma values must be >= 0")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Run the benchmark and print the tables. Returns 0 (1 when a cross-check failed)."""
+  args = parse_args(argv)
+  methods = default_methods()
+  print(header_line(args), flush=True)
+  print()
+  configs = [(b, g, v) for v in args.vocab for g in args.gamma for b in args.batch]
+  results = []
+  warnings: list[str] = []
+  for number, (batch, gamma, vocab) in enumerate(configs, 1):
+    start = time.perf_counter()
+    case = make_case(batch, gamma, vocab, args.seed)
+    try:
+      cells = run_case(case, methods, args, warnings)
+      tok_per_step = float(np.mean(case.num_accepted)) + 1
+    finally:
+      case.release()
+      del case
+      gc.collect()
+    results.append(((batch, gamma, vocab), tok_per_step, cells))
+    print(f"[{number}/{len(configs)}] B={batch} gamma={gamma} V={vocab}: "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+  print(main_table(results, methods, args))
+  print()
+  print(latency_table(args))
+  for warning in warnings:
+    print(f"WARNING: {warning}")
+  return 1 if warnings else 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
