@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow lint install install-test clean
+.PHONY: demo test test-slow lint bench install install-test clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ lint: install-test
 
 test: install-test lint
 	$(PY) -m pytest -q
+
+# Side-by-side timings of verify against the NumPy floor and baselines (several minutes).
+# The PyTorch column appears when torch is installed: $(PIP) install -e '.[bench]'
+bench: install
+	$(PY) -m specdec_jax.bench $(BENCH_ARGS)
 
 test-slow: install-test
 	$(PY) -m pytest -q -m slow

@@ -304,8 +304,9 @@ def speculative_step(p, q, draft, rng) -> list[int]:
   else:
     sub = (p_arr[[gamma]], q_arr[:0], draft_arr[:0], np.stack([final]))
   with _x64_if(dtype):
-    result = verify(*(jnp.asarray(a) for a in sub))
-    token, num_uniforms = jax.device_get((result.tokens[0], result.num_uniforms))
+    result = verify(*sub)  # NumPy in, one transfer per argument inside the jitted call
+    tokens, num_uniforms = jax.device_get((result.tokens, result.num_uniforms))
+  token = tokens[0]
   if int(num_uniforms) != 1 + rejected:  # the rule lives in `accepts`; this cannot drift
     raise RuntimeError(
       f"{func}: internal error, the accept decisions of the host and of verify disagree."
