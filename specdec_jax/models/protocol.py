@@ -1,0 +1,47 @@
+"""The small protocol through which any JAX language model enters the decoding loop.
+
+A model is a bundle of pure functions and its parameters. The decoding loop never
+looks inside ``params`` or ``cache``; it only calls these functions, so a Flax or
+Equinox module, the Llama in :mod:`specdec_jax.models.llama`, or a toy model all fit.
+
+Contract of ``apply(params, tokens, positions, cache) -> (logits, cache)``:
+
+* ``tokens``: int32 ``(B, T)`` with a static ``T`` (the loop uses ``T = 1``, ``2``
+  and ``gamma + 1``); ``positions``: int32 ``(B, T)``, the absolute position of each
+  token in its sequence (rows may be at different positions: ragged batches).
+* The cache has a fixed size ``max_len`` along the position axis, and the token at
+  position ``t`` is written to slot ``t`` (overwriting whatever was there).
+* The token at position ``t`` attends to slots ``0 .. t`` only. So writing past the
+  accepted length and later overwriting it is a complete rollback: the loop just
+  moves each sequence's length back, no cache data is copied or cleared.
+* ``logits``: float32 ``(B, T, V)``, the next-token logits after each input token.
+* Pure: no side effects, jit-, vmap- and while_loop-safe; ``cache`` is a pytree of
+  arrays with static shapes.
+
+``init_cache(batch, max_len) -> cache`` returns an empty cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+
+class Model(NamedTuple):
+  """A language model as pure functions (see the module docstring for the contract).
+
+  Attributes:
+    params: any pytree of arrays.
+    apply: ``apply(params, tokens (B, T) int32, positions (B, T) int32, cache)
+      -> (logits (B, T, V) float32, cache)``.
+    init_cache: ``init_cache(batch: int, max_len: int) -> cache``.
+    vocab_size: ``V``.
+    name: a label for tables and logs.
+  """
+
+  params: Any
+  apply: Callable[..., Any]
+  init_cache: Callable[[int, int], Any]
+  vocab_size: int
+  name: str = "model"
