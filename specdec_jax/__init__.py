@@ -6,6 +6,7 @@ stateful ``rng.random()`` interface on top and a literal NumPy reference beside 
 """
 
 from specdec_jax import reference
+from specdec_jax import theory
 from specdec_jax._adapter import UniformStream
 from specdec_jax._adapter import sample
 from specdec_jax._adapter import speculative_step
@@ -24,24 +25,39 @@ from specdec_jax._sharding import vocab_parallel_verify
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax._verify import verify_with_key
+from specdec_jax.decoding import DecodeStats
+from specdec_jax.decoding import GenerateResult
+from specdec_jax.decoding import PromptLookup
+from specdec_jax.decoding import SpeculativeResult
+from specdec_jax.decoding import generate
+from specdec_jax.decoding import speculative_generate
+from specdec_jax.models import Model
 
 __version__ = "0.1.0"
 
 __all__ = (
+  "DecodeStats",
   "DraftSample",
   "ErrorCode",
+  "GenerateResult",
+  "Model",
+  "PromptLookup",
   "SamplingParams",
+  "SpeculativeResult",
   "UniformStream",
   "VerifyResult",
   "accepts",
   "describe_error",
+  "generate",
   "process_logits",
   "reference",
   "sample",
   "sample_draft",
   "sample_index",
   "sample_index_sharded",
+  "speculative_generate",
   "speculative_step",
+  "theory",
   "verify",
   "verify_logits",
   "verify_logits_with_key",

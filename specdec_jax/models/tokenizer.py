@@ -1,0 +1,177 @@
+"""SmolLM2's byte-level BPE tokenizer, rebuilt with the ``tokenizers`` package from GGUF metadata.
+
+A GGUF file with ``tokenizer.ggml.model == "gpt2"`` carries the whole tokenizer: the vocabulary
+(``tokenizer.ggml.tokens``, in GPT-2's byte-to-unicode alphabet), the merges in rank order
+(``tokenizer.ggml.merges``, ``"left right"`` strings), the token types (3 = control token,
+matched as one token anywhere in the text) and the bos/eos ids. The pre-tokenizer is named by
+``tokenizer.ggml.pre``; for ``"smollm"`` (as for ``"starcoder"``) llama.cpp's ``llama-vocab.cpp``
+first splits every digit on its own (``\\p{N}``) and then applies the GPT-2 regex, which is
+``Digits(individual_digits=True)`` followed by ``ByteLevel(add_prefix_space=False)`` in
+``tokenizers``, as in the ``tokenizer.json`` that Hugging Face ships with SmolLM2. No BOS token
+is added (``tokenizer.ggml.add_bos_token`` is false).
+
+Byte-level BPE is lossless: ``decode(encode(text)) == text`` for any string.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from specdec_jax.models.gguf_loader import PIP_INSTALL
+from specdec_jax.models.gguf_loader import metadata
+from specdec_jax.models.gguf_loader import open_gguf
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+"""The system message SmolLM2's chat template inserts when a conversation has none."""
+
+_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+_USER_DEFINED = 4  # LLAMA_TOKEN_TYPE_USER_DEFINED
+_PRE_TOKENIZERS = ("smollm", "starcoder", "refact", "gpt2", "default")
+
+
+def _tokenizers():
+  try:
+    import tokenizers  # optional dependency, imported on use
+  except ImportError as e:
+    raise ImportError(f"the tokenizer needs the tokenizers package; run: {PIP_INSTALL}") from e
+  return tokenizers
+
+
+class Tokenizer:
+  """An exact byte-level BPE tokenizer (``encode``/``decode``) with ChatML prompts.
+
+  Attributes:
+    hf: the underlying ``tokenizers.Tokenizer``.
+    vocab_size: number of token ids.
+    bos_id: beginning-of-sequence id (not added by :meth:`encode`).
+    eos_id: end-of-sequence id (``<|im_end|>`` for SmolLM2-Instruct: the end of a turn).
+    special_tokens: the control tokens, ``{text: id}``, each encoded as one token.
+    chat_template: the Jinja chat template from the file (``tokenizer.chat_template``), or None;
+      :meth:`chat_prompt` implements SmolLM2's.
+  """
+
+  def __init__(
+    self,
+    hf: Any,
+    *,
+    bos_id: int,
+    eos_id: int,
+    special_tokens: dict[str, int],
+    chat_template: str | None = None,
+  ):
+    """Wrap a built ``tokenizers.Tokenizer`` (use :meth:`from_gguf` to build one)."""
+    self.hf = hf
+    self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+    self.bos_id = bos_id
+    self.eos_id = eos_id
+    self.special_tokens = dict(special_tokens)
+    self.chat_template = chat_template
+
+  @classmethod
+  def from_gguf(cls, source: Any) -> Tokenizer:
+    """Build the tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+    Args:
+      source: a path or an open ``gguf.GGUFReader``.
+
+    Returns:
+      The :class:`Tokenizer`.
+    """
+    tk = _tokenizers()
+    reader = open_gguf(source) if isinstance(source, str | os.PathLike) else source
+    model = metadata(reader, "tokenizer.ggml.model")
+    pre = metadata(reader, "tokenizer.ggml.pre", "default")
+    if model != "gpt2" or pre not in _PRE_TOKENIZERS:
+      raise NotImplementedError(
+        f"only byte-level BPE tokenizers (model 'gpt2', pre-tokenizer one of {_PRE_TOKENIZERS})"
+        f" are supported; the file has model {model!r}, pre-tokenizer {pre!r}"
+      )
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    types = metadata(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ")) for m in metadata(reader, "tokenizer.ggml.merges")]
+    if any(len(m) != 2 for m in merges):
+      raise ValueError("malformed merge in tokenizer.ggml.merges (expected 'left right')")
+
+    hf = tk.Tokenizer(
+      tk.models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)},
+        merges=merges,
+        fuse_unk=False,
+        byte_fallback=False,
+      )
+    )
+    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("gpt2", "default"):
+      hf.pre_tokenizer = byte_level
+    else:  # llama.cpp splits digits one by one first for these
+      hf.pre_tokenizer = tk.pre_tokenizers.Sequence(
+        [tk.pre_tokenizers.Digits(individual_digits=True), byte_level]
+      )
+    hf.decoder = tk.decoders.ByteLevel()
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if ty == _CONTROL}
+    user = [t for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED]
+    hf.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t in special])
+    if user:
+      hf.add_tokens([tk.AddedToken(t, special=False, normalized=False) for t in user])
+    return cls(
+      hf,
+      bos_id=int(metadata(reader, "tokenizer.ggml.bos_token_id", 1)),
+      eos_id=int(metadata(reader, "tokenizer.ggml.eos_token_id", 2)),
+      special_tokens=special,
+      chat_template=metadata(reader, "tokenizer.chat_template"),
+    )
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of ``text`` (no BOS added; control tokens such as ``<|im_start|>`` in the text
+    are encoded as their single ids).
+
+    Args:
+      text: any string.
+
+    Returns:
+      The token ids.
+    """
+    return self.hf.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+    """The text of ``ids`` (bytes that do not form complete UTF-8 characters become U+FFFD).
+
+    Args:
+      ids: token ids (any iterable of ints, e.g. a NumPy row).
+      skip_special: drop control tokens such as ``<|im_end|>``.
+
+    Returns:
+      The decoded string.
+    """
+    return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+  def token_to_id(self, token: str) -> int | None:
+    """The id of one vocabulary entry (in GPT-2's byte alphabet, e.g. ``"Ġthe"``), or None."""
+    return self.hf.token_to_id(token)
+
+  def id_to_token(self, token_id: int) -> str | None:
+    """The vocabulary entry of ``token_id``, or None."""
+    return self.hf.id_to_token(int(token_id))
+
+  def chat_prompt(self, user_message: str, system: str | None = None) -> str:
+    """A one-turn ChatML prompt in SmolLM2's chat template, ready for the assistant's reply.
+
+    ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user_message}<|im_end|>\\n
+    <|im_start|>assistant\\n`` (with no line break inside ``<|im_end|>\\n<|im_start|>``).
+
+    Args:
+      user_message: the user's turn.
+      system: the system message; ``None`` uses :data:`DEFAULT_SYSTEM_PROMPT`, which is what the
+        template inserts when there is no system message.
+
+    Returns:
+      The prompt text; :meth:`encode` turns it into ids. The reply ends with :attr:`eos_id`.
+    """
+    system = DEFAULT_SYSTEM_PROMPT if system is None else system
+    return (
+      f"<|im_start|>system\n{system}<|im_end|>\n"
+      f"<|im_start|>user\n{user_message}<|im_end|>\n"
+      "<|im_start|>assistant\n"
+    )

@@ -1,0 +1,85 @@
+"""Tiny n-gram language models that follow the :class:`~specdec_jax.models.protocol.Model` protocol.
+
+They exist for tests, docs and notebooks: the logits at position ``t`` depend only on
+the tokens at ``t - 1`` and ``t`` (a trigram model, ``context=2``) or on the token at
+``t`` alone (a bigram model, ``context=1``), through a fixed random table. So the
+probability of any sequence can be enumerated exactly, while the cache behaves as a
+real one does: it stores the tokens by position, a call writes its tokens into their
+slots first and then reads slot ``t - 1``, and writing past the accepted length is
+rolled back just by moving the length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.models.protocol import Model
+
+
+def _init_cache(batch: int, max_len: int) -> jax.Array:
+  return jnp.zeros((batch, max_len), jnp.int32)
+
+
+def _apply_trigram(params, tokens, positions, cache):
+  table = params["table"]  # (V + 1, V, V); row V is "before the start"
+  vocab = table.shape[-1]
+  rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
+  cache = cache.at[rows, positions].set(tokens, mode="drop")
+  prev_pos = positions - 1
+  prev = cache[rows, jnp.clip(prev_pos, 0, cache.shape[1] - 1)]
+  prev = jnp.where(prev_pos >= 0, prev, vocab)
+  return table[prev, tokens].astype(jnp.float32), cache
+
+
+def _apply_bigram(params, tokens, positions, cache):
+  rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
+  cache = cache.at[rows, positions].set(tokens, mode="drop")
+  return params["table"][tokens].astype(jnp.float32), cache
+
+
+def make_toy_model(key: jax.Array, vocab_size: int, *, context: int = 2, scale: float = 2.0,
+                   name: str | None = None) -> Model:
+  """A random bigram or trigram model as a :class:`Model` (for tests and examples).
+
+  The next-token logits after the token at position ``t`` are
+  ``table[token[t - 1], token[t]]`` (``context=2``; before position 0 the row
+  ``table[V]`` is used) or ``table[token[t]]`` (``context=1``), with the table drawn
+  from ``scale * normal(key)``. Two models made from the same key and arguments
+  share ``apply``/``init_cache`` functions, so they hit the same compiled loop.
+
+  Args:
+    key: a ``jax.random`` key for the table.
+    vocab_size: ``V >= 1``.
+    context: 1 (bigram) or 2 (trigram).
+    scale: standard deviation of the logits.
+    name: label; defaults to ``"bigram"`` / ``"trigram"``.
+
+  Returns:
+    :class:`Model` whose ``params`` is ``{"table": float32 (V + 1, V, V) or (V, V)}``
+    and whose cache is the int32 ``(batch, max_len)`` array of tokens by position.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> model = make_toy_model(jax.random.key(0), vocab_size=5)
+    >>> cache = model.init_cache(1, 8)
+    >>> logits, cache = model.apply(model.params, jnp.array([[3, 1]]), jnp.array([[0, 1]]), cache)
+    >>> logits.shape, cache[0, :3].tolist()
+    ((1, 2, 5), [3, 1, 0])
+
+  Reference:
+    Shannon, "A Mathematical Theory of Communication" (n-gram models), 1948.
+  """
+  if vocab_size < 1:
+    raise ValueError(f"make_toy_model: expected vocab_size >= 1, got {vocab_size} instead.")
+  if context not in (1, 2):
+    raise ValueError(f"make_toy_model: expected context 1 or 2, got {context} instead.")
+  shape = (vocab_size + 1, vocab_size, vocab_size) if context == 2 else (vocab_size, vocab_size)
+  table = scale * jax.random.normal(key, shape, jnp.float32)
+  apply = _apply_trigram if context == 2 else _apply_bigram
+  label = name or ("trigram" if context == 2 else "bigram")
+  return Model(params={"table": table}, apply=apply, init_cache=_init_cache,
+               vocab_size=vocab_size, name=label)
+
+
+__all__ = ("make_toy_model",)
