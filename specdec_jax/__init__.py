@@ -10,6 +10,8 @@ from specdec_jax import theory
 from specdec_jax._adapter import UniformStream
 from specdec_jax._adapter import sample
 from specdec_jax._adapter import speculative_step
+from specdec_jax._block import block_verify
+from specdec_jax._block import block_verify_with_key
 from specdec_jax._logits import DraftSample
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import process_logits
@@ -22,6 +24,9 @@ from specdec_jax._rule import describe_error
 from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
 from specdec_jax._sharding import vocab_parallel_verify
+from specdec_jax._tree import TreeVerifyResult
+from specdec_jax._tree import tree_verify
+from specdec_jax._tree import tree_verify_with_key
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax._verify import verify_with_key
@@ -44,9 +49,12 @@ __all__ = (
   "PromptLookup",
   "SamplingParams",
   "SpeculativeResult",
+  "TreeVerifyResult",
   "UniformStream",
   "VerifyResult",
   "accepts",
+  "block_verify",
+  "block_verify_with_key",
   "describe_error",
   "generate",
   "process_logits",
@@ -58,6 +66,8 @@ __all__ = (
   "speculative_generate",
   "speculative_step",
   "theory",
+  "tree_verify",
+  "tree_verify_with_key",
   "verify",
   "verify_logits",
   "verify_logits_with_key",

@@ -47,6 +47,7 @@ import numpy as np
 
 import specdec_jax
 from specdec_jax import reference
+from specdec_jax._block import block_verify
 
 PAD_ID = -1
 MIX = 0.55  # q = MIX * p + (1 - MIX) * noise: acceptance rate ~0.7 per position
@@ -278,6 +279,16 @@ def _prepare_verify(case: Case, args: argparse.Namespace) -> Timed:
   )
 
 
+def _prepare_block(case: Case, args: argparse.Namespace) -> Timed:
+  """``jax.jit(jax.vmap(block_verify))``: block verification on the same inputs (it keeps a
+  different number of proposals, so there is no cross-check of ``num_accepted``)."""
+  compiled, compile_s = _compile(jax.jit(jax.vmap(block_verify)), *case.device)
+  result = jax.block_until_ready(compiled(*case.device))
+  if not bool(np.all(np.asarray(result.valid))):
+    raise RuntimeError(f"block_verify flagged invalid inputs: errors {np.unique(result.error)}")
+  return Timed(call=lambda: compiled(*case.device), compile_s=compile_s)
+
+
 def _prepare_floor(case: Case, args: argparse.Namespace) -> Timed:
   p, q, draft, gamma = case.p, case.q, case.draft, case.gamma
   stops = [int(s) for s in case.num_accepted]
@@ -330,6 +341,7 @@ def default_methods() -> list[Method]:
   """The timed methods, in column order; the first is the one every ratio refers to."""
   return [
     Method("verify", _prepare_verify, ratio="", show_bandwidth=True, show_peak=True),
+    Method("block", _prepare_block),
     Method("floor", _prepare_floor, ratio="under", show_bytes=True, show_bandwidth=True),
     Method("eager-JAX", _prepare_eager),
     Method("torch", _prepare_torch),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specdec_jax._block import block_verify
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import process_logits
 from specdec_jax._logits import sample_draft
@@ -38,7 +39,7 @@ from specdec_jax.models.protocol import Model
 Verifier = Callable[..., VerifyResult]
 
 #: Verifiers selectable by name in :func:`speculative_generate`.
-VERIFIERS: dict[str, Verifier] = {"token": verify}
+VERIFIERS: dict[str, Verifier] = {"token": verify, "block": block_verify}
 
 
 class PromptLookup(NamedTuple):

@@ -24,6 +24,8 @@ import numpy as np
 
 __all__ = [
   "acceptance_probability",
+  "block_output_distribution",
+  "block_speculative_step",
   "output_distribution",
   "residual",
   "sample",
@@ -126,4 +128,107 @@ def output_distribution(p, q) -> dict[tuple[int, ...], float]:
       reach *= accept
     for y in range(vocab):
       add((*draft, y), reach * p[gamma, y])
+  return law
+
+
+def _block_weights(p, q, draft) -> list[float]:
+  """``b_0 .. b_gamma`` of block verification, literally: ``b_i = min(1, b_{i-1} p/q)``.
+
+  ``b_{i-1} == 0`` or ``p(x) == 0`` gives 0 (no ``0 * inf``).
+  """
+  weights = [1.0]
+  for i, x in enumerate(draft):
+    x = int(x)
+    if weights[-1] == 0 or p[i, x] == 0:
+      weights.append(0.0)
+    else:
+      weights.append(min(1.0, weights[-1] * acceptance_probability(p[i, x], q[i, x])))
+  return weights
+
+
+def _block_stop_weights(p, q, weights) -> tuple[list[float], list[np.ndarray]]:
+  """Stopping weights ``h_0 .. h_gamma`` and residual rows ``max(b_i p[i] - q[i], 0)``."""
+  gamma = q.shape[0]
+  stops, residuals = [1.0], []
+  for i in range(gamma):
+    res = np.maximum(weights[i] * p[i] - q[i], 0.0)
+    residuals.append(res)
+    if i == 0:
+      continue
+    mass = res.sum()
+    den = mass + 1.0 - weights[i]
+    stops.append(mass / den if den > 0 else 1.0)
+  if gamma:
+    stops.append(weights[gamma])
+  return stops, residuals
+
+
+def _block_final_row(p, residuals, stop: int) -> np.ndarray:
+  if stop == len(residuals):
+    return p[stop]
+  res = residuals[stop]
+  return res / res.sum() if res.sum() > 0 else p[stop]
+
+
+def block_speculative_step(p, q, draft, rng) -> list[int]:
+  """One step of block verification (Sun et al. 2025, Algorithm 2), literally, in float64.
+
+  With 1-indexed positions: ``b_0 = 1``, ``b_i = min(1, b_{i-1} p[i-1, x_i] / q[i-1, x_i])``;
+  ``h_0 = 1``, ``h_i = Z_i / (Z_i + 1 - b_i)`` with ``Z_i = sum max(b_i p[i] - q[i], 0)``
+  (1 when the denominator is 0), ``h_gamma = b_gamma``. Draws ``eta_1 .. eta_gamma``, keeps
+  ``tau`` = the largest ``i`` with ``eta_i < h_i`` (0 always qualifies) and emits
+  ``draft[:tau]`` plus one sample from ``p[gamma]`` (``tau = gamma``) or from the normalised
+  residual ``max(b_tau p[tau] - q[tau], 0)`` (``p[tau]`` if that is all zero).
+
+  Args:
+    p: ``(gamma + 1, V)`` target distributions.
+    q: ``(gamma, V)`` draft distributions.
+    draft: ``(gamma,)`` proposed token ids.
+    rng: anything with ``.random()``; called ``gamma`` times for the etas, then once for the
+      final sample.
+
+  Returns:
+    The new tokens, between 1 and ``gamma + 1`` of them.
+  """
+  p = np.asarray(p, dtype=np.float64)
+  q = np.asarray(q, dtype=np.float64)
+  gamma = q.shape[0]
+  etas = [rng.random() for _ in range(gamma)]
+  weights = _block_weights(p, q, draft)
+  stops, residuals = _block_stop_weights(p, q, weights)
+  tau = 0
+  for i in range(1, gamma + 1):
+    if etas[i - 1] < stops[i]:
+      tau = i
+  return [int(x) for x in draft[:tau]] + [sample(_block_final_row(p, residuals, tau), rng)]
+
+
+def block_output_distribution(p, q) -> dict[tuple[int, ...], float]:
+  """Exact law of the tokens one block-verification step returns, by enumeration.
+
+  Like :func:`output_distribution`: each ``draft[i]`` is drawn from ``q[i]``; for every draft
+  sequence ``P(tau = i) = h_i prod_{j > i} (1 - h_j)`` is combined with the final row.
+  Cost ``O(V ** gamma)``: small cases only.
+
+  Returns:
+    Mapping from the output token tuple to its probability (sums to 1).
+  """
+  p = np.asarray(p, dtype=np.float64)
+  q = np.asarray(q, dtype=np.float64)
+  gamma, vocab = q.shape
+  law: dict[tuple[int, ...], float] = {}
+  for draft in itertools.product(range(vocab), repeat=gamma):
+    weight = math.prod(q[i, x] for i, x in enumerate(draft))
+    if weight == 0:
+      continue
+    stops, residuals = _block_stop_weights(p, q, _block_weights(p, q, draft))
+    later = 1.0  # probability that no j > i was kept
+    for i in range(gamma, -1, -1):
+      mass = weight * later * stops[i]
+      later *= 1.0 - stops[i]
+      row = _block_final_row(p, residuals, i)
+      for y in range(vocab):
+        if mass * row[y] > 0:
+          key = (*draft[:i], y)
+          law[key] = law.get(key, 0.0) + mass * row[y]
   return law

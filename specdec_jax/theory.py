@@ -151,3 +151,63 @@ def optimal_gamma(alpha: float, cost_ratio: float, max_gamma: int = 64) -> int:
   gammas = np.arange(1, max_gamma + 1)
   factors = np.asarray(improvement_factor(alpha, gammas, cost_ratio))
   return int(gammas[int(np.argmax(factors))])
+
+
+def token_expected_tokens(p, q) -> float:
+  """Exact expected tokens per step of token-wise verification for given rows (host-side).
+
+  Position ``i`` is accepted with probability ``alpha_i = sum_v min(p[i, v], q[i, v])``
+  whatever came before, so this is :func:`expected_tokens_per_position` of those rates.
+
+  Args:
+    p: ``(gamma + 1, V)`` target distributions.
+    q: ``(gamma, V)`` draft distributions.
+
+  Returns:
+    Expected number of tokens per step, in ``[1, gamma + 1]``.
+
+  Example:
+    >>> p = [[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]]
+    >>> q = [[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]
+    >>> round(token_expected_tokens(p, q), 4)
+    2.26
+
+  Reference:
+    Leviathan et al. 2023, Equation 1 (with per-position rates).
+  """
+  p = jnp.asarray(p)
+  q = jnp.asarray(q)
+  return float(expected_tokens_per_position(acceptance_rate(p[: q.shape[0]], q)))
+
+
+def block_expected_tokens(p, q) -> float:
+  """Exact expected tokens per step of block verification for given rows, by enumeration.
+
+  Sums ``len(output) * P(output)`` over :func:`specdec_jax.reference.block_output_distribution`
+  (every draft sequence drawn from ``q``). Cost ``O(V ** gamma)``: small ``V`` and ``gamma``.
+  Block verification emits at least as many tokens as token-wise verification in
+  expectation, for every ``(p, q)``: ``block_expected_tokens(p, q) >=
+  token_expected_tokens(p, q)`` (Sun et al. 2025, Theorem 2: block verification is optimal
+  among valid verification rules that keep a prefix of the draft).
+
+  Args:
+    p: ``(gamma + 1, V)`` target distributions.
+    q: ``(gamma, V)`` draft distributions.
+
+  Returns:
+    Expected number of tokens per step, in ``[1, gamma + 1]``.
+
+  Example:
+    >>> p = [[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]]
+    >>> q = [[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]
+    >>> block_expected_tokens(p, q) >= token_expected_tokens(p, q)
+    True
+
+  Reference:
+    Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh, "Block Verification
+    Accelerates Speculative Decoding", ICLR 2025, arXiv:2403.10444.
+  """
+  from specdec_jax import reference  # the enumeration lives with the oracle
+
+  law = reference.block_output_distribution(p, q)
+  return float(sum(len(tokens) * mass for tokens, mass in law.items()))

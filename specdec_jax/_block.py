@@ -1,0 +1,365 @@
+"""Block verification (Sun et al. 2025, Algorithm 2): the jitted, lazily reading step.
+
+Token-wise verification (:func:`specdec_jax.verify`) decides every draft token on its own
+and stops at the first rejection. Block verification decides the whole block jointly: it
+keeps the longest prefix whose *joint* acceptance weight admits it. With 1-indexed
+positions, ``b_0 = 1``, ``b_i = min(1, b_{i-1} p_i(x_i) / q_i(x_i))``, residuals
+``R_i = max(b_i p_{i+1} - q_{i+1}, 0)`` of mass ``Z_i``, stopping weights
+``h_i = Z_i / (Z_i + 1 - b_i)`` (``h_0 = 1``, ``h_gamma = b_gamma``); ``tau`` is the largest
+``i`` with ``eta_i < h_i``, and the step emits ``x_1 .. x_tau`` and one token from ``R_tau``
+(``p_{gamma+1}`` when ``tau = gamma``). The output law equals the target's, and the expected
+number of tokens is never below token-wise verification's (the paper's Theorem 2).
+
+The scan runs from the end of the block down and stops at the first ``i`` it keeps, so
+``h_gamma = b_gamma`` (no row) is tested first and a row ``p[i]``, ``q[i]`` is read only when
+``h_i`` is needed. The last row read is the one the final token is sampled from: its block
+masses are kept in the loop carry and only one 256-entry block is read again.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specdec_jax._rows import _explicitly_sharded_batch
+from specdec_jax._rule import ErrorCode
+from specdec_jax._rule import row_tolerance
+from specdec_jax._sampling import BLOCK
+from specdec_jax._sampling import _sanitize
+from specdec_jax._sampling import block_masses
+from specdec_jax._sampling import block_start
+from specdec_jax._sampling import mask_block
+from specdec_jax._sampling import pick_block
+from specdec_jax._sampling import pick_in_block
+from specdec_jax._verify import VerifyResult
+from specdec_jax._verify import _check_shapes
+from specdec_jax._verify import _flag
+from specdec_jax._verify import _or_reduce
+from specdec_jax._verify import _stop_row_error
+from specdec_jax._verify import _value_codes
+from specdec_jax._verify import check_num_draft
+from specdec_jax._verify import compute_dtype
+
+
+def log_block_weights(p_x: jax.Array, q_x: jax.Array) -> jax.Array:
+  """``log b_i`` for ``i = 0 .. gamma``: ``b_0 = 1``, ``b_i = min(1, b_{i-1} p_x[i-1] / q_x[i-1])``.
+
+  Computed in log space. ``p(x) == 0`` gives ``b_i = 0`` (and every later ``b`` stays 0);
+  ``q(x) == 0 < p(x)`` gives ratio ``inf`` (``b_i = 1`` unless ``b_{i-1} = 0``). NaN propagates.
+
+  Args:
+    p_x: ``(gamma,)`` target probabilities of the draft tokens.
+    q_x: ``(gamma,)`` draft probabilities of the draft tokens.
+
+  Returns:
+    ``(gamma + 1,)`` log weights, each ``<= 0`` or ``-inf`` (NaN for NaN inputs).
+  """
+  safe_p = jnp.where(p_x > 0, p_x, 1)
+  safe_q = jnp.where(q_x > 0, q_x, 1)
+  ratio = jnp.where(p_x > 0, jnp.where(q_x > 0, jnp.log(safe_p) - jnp.log(safe_q), jnp.inf),
+                    -jnp.inf)
+  ratio = jnp.where(jnp.isnan(p_x) | jnp.isnan(q_x), jnp.nan, ratio)
+
+  def step(prev, r):
+    nxt = jnp.where((prev == -jnp.inf) | (r == -jnp.inf), -jnp.inf, jnp.minimum(0, prev + r))
+    return nxt, nxt
+
+  zero = jnp.zeros((), p_x.dtype)
+  if p_x.shape[0] == 0:
+    return zero[None]
+  _, rest = lax.scan(step, zero, ratio)
+  return jnp.concatenate([zero[None], rest])
+
+
+def _residual_pass(p_row, q_row, b, block, dtype):
+  """One fused read of ``p[i]``, ``q[i]``: block masses of ``max(b p - q, 0)`` and of ``p``
+  (negative entries as ``-inf``, NaN propagates) and the sum of ``q``."""
+  p_row = p_row.astype(dtype)
+  q_row = q_row.astype(dtype)
+  negative = (p_row < 0) | (q_row < 0)
+  raw = jnp.where(negative, -jnp.inf, jnp.maximum(b * p_row - q_row, 0))
+  poisoned_p = jnp.where(p_row < 0, -jnp.inf, p_row)
+  return block_masses(raw, block), block_masses(poisoned_p, block), jnp.sum(q_row)
+
+
+def _clean(masses):
+  return jnp.where(jnp.isfinite(masses) & (masses > 0), masses, 0)
+
+
+def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dtype, tol):
+  """Per sequence: find ``tau`` (scan from ``limit`` down) and sample the final token.
+
+  ``read_p(row, start, size)`` / ``read_q(...)`` return a ``(size,)`` slice of one row.
+  Returns ``(tau, token, row_error)`` (int32 scalars).
+  """
+  block = min(BLOCK, vocab)
+  b = jnp.exp(log_b)
+  # eta_i is uniforms[i - 1]. Since Z_i <= b_i, h_i <= b_i: an i with eta_i >= b_i is never
+  # kept, and its row need not be read. Candidates: i = 0 (h_0 = 1) and 0 < i < n with
+  # eta_i < b_i; h_n = b_n is decided here without a row.
+  index = jnp.arange(gamma + 1, dtype=jnp.int32)
+  etas = jnp.concatenate([jnp.zeros((1,), dtype), uniforms[:gamma]])
+  candidate = (index == 0) | ((index < limit) & (etas < b))
+  below = lax.cummax(jnp.where(candidate, index, 0))  # largest candidate <= i
+  keep_all = (limit == 0) | (etas[limit] < b[limit])
+  nblocks = -(-vocab // block)
+  zeros = jnp.zeros((nblocks,), dtype)
+
+  def cond(state):
+    return ~state[1]
+
+  def body(state):
+    i, _, _, _, _, err = state
+    row_b = b[i]
+    masses, p_masses, q_sum = _residual_pass(read_p(i, 0, vocab), read_q(i, 0, vocab), row_b,
+                                             block, dtype)
+    z = jnp.sum(_clean(masses))
+    den = z + (1 - row_b)
+    h = jnp.where(den > 0, z / jnp.where(den > 0, den, 1), 1)
+    done = (i == 0) | (etas[i] < h)
+    err = err | _stop_row_error(masses, jnp.sum(p_masses), q_sum, jnp.asarray(True), tol, None)
+    return (jnp.where(done, i, below[jnp.maximum(i - 1, 0)]), done, masses, p_masses, z, err)
+
+  start = (below[jnp.maximum(limit - 1, 0)], keep_all, zeros, zeros, jnp.zeros((), dtype),
+           jnp.int32(0))
+  if gamma:
+    tau, _, masses, p_masses, z, err = lax.while_loop(cond, body, start)
+  else:
+    tau, _, masses, p_masses, z, err = start
+  tau = jnp.where(keep_all, limit, tau)
+
+  def bonus():
+    row = read_p(limit, 0, vocab).astype(dtype)
+    poisoned = jnp.where(row < 0, -jnp.inf, row)
+    m = block_masses(poisoned, block)
+    return m, m, jnp.sum(_clean(m)), _stop_row_error(m, jnp.sum(m), jnp.zeros((), dtype),
+                                                     jnp.asarray(False), tol, None)
+
+  masses, p_masses, z, bonus_err = lax.cond(keep_all, bonus,
+                                            lambda: (masses, p_masses, z, jnp.int32(0)))
+  err = err | bonus_err
+  use_residual = ~keep_all & (z > 0)  # else p[tau] (the bonus row, or the fallback)
+  clean = jnp.where(use_residual | keep_all, _clean(masses), _clean(p_masses))
+  b_tau = b[tau]
+  q_index = jnp.minimum(tau, max(gamma - 1, 0))
+
+  target_u = uniforms[limit]
+  blk, rest = pick_block(clean, target_u * jnp.sum(clean))
+  lo, first = block_start(blk, vocab, block)
+  p_part = read_p(tau, first, block).astype(dtype)
+  if gamma:
+    q_part = read_q(q_index, first, block).astype(dtype)
+    values = jnp.where(use_residual, jnp.maximum(b_tau * p_part - q_part, 0), p_part)
+  else:
+    values = p_part
+  token = first + pick_in_block(mask_block(_sanitize(values), lo, first), rest)
+  return tau.astype(jnp.int32), token.astype(jnp.int32), err
+
+
+def _reader(array, batched, index):
+  """``read(row, start, size)``: a slice of one row of ``array`` (of sequence ``index``)."""
+  if array.shape[0] == 0:  # q with gamma == 0: never read
+    return lambda row, start, size: jnp.zeros((size,), array.dtype)
+
+  def read(row, start, size):
+    row, start = jnp.asarray(row, jnp.int32), jnp.asarray(start, jnp.int32)
+    if batched:
+      index_ = jnp.asarray(index, jnp.int32)
+      return lax.dynamic_slice(array, (index_, row, start), (1, 1, size))[0, 0]
+    return lax.dynamic_slice(array, (row, start), (1, size))[0]
+
+  return read
+
+
+def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol):
+  """:func:`_stop_and_sample` with a batching rule that loops over the batch on CPU.
+
+  Under ``jax.vmap`` a ``while_loop`` whose rows are picked by a batched index becomes a
+  gather of whole rows for every lane on every iteration. On XLA:CPU the rule instead
+  runs the per-sequence loop for one sequence at a time with scalar indices, so each
+  sequence reads only the rows it needs (see ``_rows.py``). Accelerators use plain vmap.
+  """
+  gamma, vocab = q.shape[0], p.shape[-1]
+  kw = dict(gamma=gamma, vocab=vocab, dtype=dtype, tol=tol)
+
+  def single(p, q, log_b, uniforms, limit):
+    return _stop_and_sample(_reader(p, False, None), _reader(q, False, None), log_b, uniforms,
+                            limit, **kw)
+
+  batched_single = jax.custom_batching.custom_vmap(single)
+
+  @batched_single.def_vmap
+  def _rule(axis_size, in_batched, p, q, log_b, uniforms, limit):
+    args = (p, q, log_b, uniforms, limit)
+    axes = tuple(0 if flag else None for flag in in_batched)
+    out_batched = (True, True, True)
+    if any(flag and _explicitly_sharded_batch(a) for a, flag in zip(args, in_batched,
+                                                                       strict=True)):
+      return jax.vmap(single, in_axes=axes)(*args), out_batched
+    p_b, q_b, lb_b, u_b, lim_b = in_batched
+
+    def looped(p, q, log_b, uniforms, limit):
+      def at(x, flag, i):
+        return lax.dynamic_index_in_dim(x, i, keepdims=False) if flag else x
+
+      def body(i, out):
+        res = _stop_and_sample(_reader(p, p_b, i), _reader(q, q_b, i), at(log_b, lb_b, i),
+                               at(uniforms, u_b, i), at(limit, lim_b, i), **kw)
+        return tuple(lax.dynamic_update_index_in_dim(o, r, i, 0)
+                     for o, r in zip(out, res, strict=True))
+
+      anchor = sum(jnp.zeros_like(a.ravel()[0], jnp.int32) for a in args if a.size)
+      init = tuple(jnp.zeros((axis_size,), jnp.int32) + anchor for _ in range(3))
+      return lax.fori_loop(0, axis_size, body, init)
+
+    def vectorised(*args):
+      return jax.vmap(single, in_axes=axes)(*args)
+
+    out = lax.platform_dependent(*args, cpu=looped, default=vectorised)
+    return out, out_batched
+
+  return batched_single(p, q, log_b, uniforms, limit)
+
+
+def _block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
+  gamma, vocab = _check_shapes(p, q, draft, uniforms, name="block_verify")
+  check_num_draft(num_draft, gamma, name="block_verify")
+  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
+  dtype = compute_dtype(p.dtype, q.dtype)
+  uniforms = uniforms.astype(dtype)
+  draft = draft.astype(jnp.int32)
+  if num_draft is None:
+    limit, bad_limit = jnp.int32(gamma), jnp.asarray(False)
+  else:
+    num_draft = jnp.asarray(num_draft).astype(jnp.int32)
+    limit = jnp.clip(num_draft, 0, gamma)
+    bad_limit = limit != num_draft
+
+  in_range = (draft >= 0) & (draft < vocab)
+  safe_draft = jnp.clip(draft, 0, vocab - 1)
+  positions = jnp.arange(gamma, dtype=jnp.int32)
+  p_x = p[positions, safe_draft].astype(dtype)
+  q_x = q[positions, safe_draft].astype(dtype)
+  # An out-of-range id is never kept: it counts as p(x) = 0 (flagged below).
+  log_b = log_block_weights(jnp.where(in_range, p_x, 0), q_x)
+
+  tau, token, row_err = _stop_rule(p, q, log_b, uniforms, limit, dtype=dtype, tol=tol)
+
+  slots = jnp.arange(gamma + 1, dtype=jnp.int32)
+  kept = jnp.take(safe_draft, jnp.minimum(slots, gamma - 1)) if gamma else slots
+  tokens = jnp.where(slots < tau, kept, jnp.int32(pad_id))
+  tokens = jnp.where(slots == tau, token, tokens)
+
+  read = positions < limit  # every b_i up to b_n is computed
+  position_codes = jnp.where(
+    read,
+    _flag(~in_range, ErrorCode.DRAFT_OUT_OF_RANGE) | _value_codes(p_x, tol)
+    | _value_codes(q_x, tol),
+    0,
+  )
+  u_codes = _flag((slots <= limit) & ~((uniforms >= 0) & (uniforms < 1)),
+                  ErrorCode.UNIFORM_OUT_OF_RANGE)
+  error = (_or_reduce(jnp.concatenate([position_codes, u_codes]))
+           | _flag(bad_limit, ErrorCode.BAD_NUM_DRAFT) | row_err)
+  return VerifyResult(
+    tokens=tokens,
+    num_tokens=tau + 1,
+    num_accepted=tau,
+    num_uniforms=limit + 1,
+    valid=error == 0,
+    error=error,
+  )
+
+
+block_verify = jax.jit(_block_verify, static_argnames=("pad_id",))
+block_verify.__doc__ = """Block verification of one draft sequence (pure, jitted): exact, longer.
+
+  Same signature and result as :func:`specdec_jax.verify`, so it plugs into
+  ``speculative_generate(..., verifier=block_verify)`` (or ``verifier="block"``). With
+  1-indexed positions and ``n = num_draft`` (``gamma`` by default):
+
+  * ``b_0 = 1``, ``b_i = min(1, b_{i-1} p[i-1, x_i] / q[i-1, x_i])`` (log space);
+  * ``Z_i = sum_v max(b_i p[i, v] - q[i, v], 0)`` and ``h_i = Z_i / (Z_i + 1 - b_i)``
+    (1 when the denominator is 0) for ``0 < i < n``, ``h_n = b_n``, ``h_0 = 1``;
+  * ``tau`` = the largest ``i`` in ``0 .. n`` with ``eta_i < h_i``;
+  * emit ``draft[:tau]`` and one token drawn from ``p[n]`` if ``tau = n``, else from
+    ``max(b_tau p[tau] - q[tau], 0)`` (``p[tau]`` if that is all zero).
+
+  The test is ``eta_i < h_i`` (the paper writes ``<=``; the law is the same for a
+  continuous uniform, and ``<`` never keeps a draft token of target probability 0 when a
+  float uniform is exactly 0, the trap SPEC.md names).
+
+  Uniform order: ``eta_i`` is ``uniforms[i - 1]`` for ``i = 1 .. n`` and the final sample
+  reads ``uniforms[n]``; ``num_uniforms = n + 1`` always (every ``eta`` is part of the
+  rule, whether or not the scan reached it). Slots after ``n`` are never read.
+
+  ``tau`` is found by scanning ``i`` from ``n`` down in a ``lax.while_loop`` that stops at
+  the first ``i`` it keeps: ``h_n`` needs no row, each ``h_i`` one fused pass over
+  ``p[i]`` and ``q[i]``. The final token uses the two-level inverse CDF of
+  :func:`specdec_jax.sample_index` on the block masses of the last row read. Values are
+  checked like :func:`specdec_jax.verify`: draft ids, their probabilities and the
+  uniforms of positions ``< n``, and every full row read (finite, non-negative, sums to 1);
+  ``valid``/``error`` report problems and returned ids are always in ``[0, V)``.
+
+  Args:
+    p: ``(gamma + 1, V)`` floating target distributions.
+    q: ``(gamma, V)`` floating draft distributions (what ``draft`` was sampled from).
+    draft: ``(gamma,)`` integer token ids in ``[0, V)``.
+    uniforms: ``(gamma + 1,)`` floating, each in ``[0, 1)``.
+    num_draft: optional int32 scalar in ``[0, gamma]`` (ragged batches), as in ``verify``.
+    pad_id: static int for the unused slots of ``tokens``.
+
+  Returns:
+    :class:`VerifyResult`; ``num_accepted = tau``, ``tokens`` of shape ``(gamma + 1,)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> p = jnp.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
+    >>> q = jnp.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
+    >>> r = block_verify(p, q, jnp.array([1, 2]), jnp.array([0.7, 0.9, 0.1]))
+    >>> r.tokens.tolist(), int(r.num_uniforms)
+    ([1, 2, 0], 3)
+
+  Reference:
+    Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh, "Block Verification
+    Accelerates Speculative Decoding", ICLR 2025, arXiv:2403.10444, Algorithm 2.
+  """
+
+
+def _block_verify_with_key(key, p, q, draft, *, num_draft=None, pad_id: int = -1):
+  gamma, _ = _check_shapes(p, q, draft, jnp.zeros(draft.shape[0] + 1, p.dtype),
+                           name="block_verify_with_key")
+  dtype = compute_dtype(p.dtype, q.dtype)
+  uniforms = jax.random.uniform(key, (gamma + 1,), dtype=dtype)
+  return _block_verify(p, q, draft, uniforms, num_draft=num_draft, pad_id=pad_id)
+
+
+block_verify_with_key = jax.jit(_block_verify_with_key, static_argnames=("pad_id",))
+block_verify_with_key.__doc__ = """:func:`block_verify` with its ``gamma + 1`` uniforms from a key.
+
+  The uniforms are ``jax.random.uniform(key, (gamma + 1,), dtype)`` in the computation
+  dtype, exactly as in :func:`specdec_jax.verify_with_key`.
+
+  Args:
+    key: a ``jax.random`` key.
+    p: ``(gamma + 1, V)`` target distributions.
+    q: ``(gamma, V)`` draft distributions.
+    draft: ``(gamma,)`` integer token ids.
+    num_draft: optional int32 scalar in ``[0, gamma]``.
+    pad_id: static int for the unused slots.
+
+  Returns:
+    :class:`VerifyResult`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> p = jnp.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
+    >>> q = jnp.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
+    >>> r = block_verify_with_key(jax.random.key(0), p, q, jnp.array([1, 2]))
+    >>> 1 <= int(r.num_tokens) <= 3
+    True
+
+  Reference:
+    Sun et al., "Block Verification Accelerates Speculative Decoding", arXiv:2403.10444.
+  """
