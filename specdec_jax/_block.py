@@ -24,7 +24,6 @@ from jax import lax
 
 from specdec_jax._rows import _explicitly_sharded_batch
 from specdec_jax._rule import ErrorCode
-from specdec_jax._rule import row_tolerance
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import _sanitize
 from specdec_jax._sampling import block_masses
@@ -40,6 +39,7 @@ from specdec_jax._verify import _stop_row_error
 from specdec_jax._verify import _value_codes
 from specdec_jax._verify import check_num_draft
 from specdec_jax._verify import compute_dtype
+from specdec_jax._verify import prepare
 
 
 def log_block_weights(p_x: jax.Array, q_x: jax.Array) -> jax.Array:
@@ -225,20 +225,8 @@ def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol):
 def _block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
   gamma, vocab = _check_shapes(p, q, draft, uniforms, name="block_verify")
   check_num_draft(num_draft, gamma, name="block_verify")
-  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
-  dtype = compute_dtype(p.dtype, q.dtype)
-  uniforms = uniforms.astype(dtype)
-  draft = draft.astype(jnp.int32)
-  if num_draft is None:
-    limit, bad_limit = jnp.int32(gamma), jnp.asarray(False)
-  else:
-    num_draft = jnp.asarray(num_draft).astype(jnp.int32)
-    limit = jnp.clip(num_draft, 0, gamma)
-    bad_limit = limit != num_draft
-
-  in_range = (draft >= 0) & (draft < vocab)
-  safe_draft = jnp.clip(draft, 0, vocab - 1)
-  positions = jnp.arange(gamma, dtype=jnp.int32)
+  tol, dtype, uniforms, limit, bad_limit, in_range, safe_draft, positions = prepare(
+    p, q, draft, uniforms, num_draft, vocab)
   p_x = p[positions, safe_draft].astype(dtype)
   q_x = q[positions, safe_draft].astype(dtype)
   # An out-of-range id is never kept: it counts as p(x) = 0 (flagged below).

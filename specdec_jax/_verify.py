@@ -178,6 +178,36 @@ def check_num_draft(num_draft, gamma: int, name: str = "verify") -> None:
       )
 
 
+class Prepared(NamedTuple):
+  """What every verifier derives from its arguments before reading any probability."""
+
+  tol: float  # row-sum tolerance of the input dtype
+  dtype: jnp.dtype  # computation dtype
+  uniforms: jax.Array  # in the computation dtype
+  limit: jax.Array  # int32 number of real proposals (num_draft clipped to [0, gamma])
+  bad_limit: jax.Array  # bool: num_draft was out of range
+  in_range: jax.Array  # (gamma,) bool: draft id in [0, V)
+  safe_draft: jax.Array  # (gamma,) int32 draft ids clipped into [0, V)
+  positions: jax.Array  # (gamma,) int32 0 .. gamma - 1
+
+
+def prepare(p, q, draft, uniforms, num_draft, vocab: int) -> Prepared:
+  """Dtypes, the clipped ``num_draft`` and the clipped draft ids, shared by the verifiers."""
+  gamma = draft.shape[0]
+  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
+  dtype = compute_dtype(p.dtype, q.dtype)
+  draft = draft.astype(jnp.int32)
+  if num_draft is None:
+    limit, bad_limit = jnp.int32(gamma), jnp.asarray(False)
+  else:
+    num_draft = jnp.asarray(num_draft).astype(jnp.int32)
+    limit = jnp.clip(num_draft, 0, gamma)
+    bad_limit = limit != num_draft
+  return Prepared(tol, dtype, uniforms.astype(dtype), limit, bad_limit,
+                  (draft >= 0) & (draft < vocab), jnp.clip(draft, 0, vocab - 1),
+                  jnp.arange(gamma, dtype=jnp.int32))
+
+
 def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
                 axis_name: str | None = None) -> VerifyResult:
   """The rule on one sequence whose rows may be vocab-sharded (``axis_name``): the single body.
@@ -188,22 +218,10 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   """
   gamma = draft.shape[0]
   local_vocab = p.shape[-1]
-  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
-  dtype = compute_dtype(p.dtype, q.dtype)
-  uniforms = uniforms.astype(dtype)
-  draft = draft.astype(jnp.int32)
-
-  if num_draft is None:
-    limit, bad_limit = jnp.int32(gamma), jnp.asarray(False)
-  else:
-    num_draft = jnp.asarray(num_draft).astype(jnp.int32)
-    limit = jnp.clip(num_draft, 0, gamma)
-    bad_limit = limit != num_draft
+  tol, dtype, uniforms, limit, bad_limit, in_range, safe_draft, positions = prepare(
+    p, q, draft, uniforms, num_draft, vocab)
 
   # Only 2 * gamma scalars are gathered for the accept scan.
-  in_range = (draft >= 0) & (draft < vocab)
-  safe_draft = jnp.clip(draft, 0, vocab - 1)
-  positions = jnp.arange(gamma, dtype=jnp.int32)
   if axis_name is None:
     p_x = p[positions, safe_draft].astype(dtype)
     q_x = q[positions, safe_draft].astype(dtype)
