@@ -147,6 +147,8 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
   params = SamplingParams(temperature=jnp.float32(temperature))
   key = jax.random.key(seed)
   eos = setup.tokenizer.eos_id
+  draft, _, named_verifier = draft.partition("+")  # e.g. "lookup+block"
+  verifier = named_verifier or verifier
   if draft == "plain":
     def call():
       return generate(setup.target, prompt, lengths, key, max_new_tokens=max_new_tokens,
@@ -178,19 +180,20 @@ def _to_run(setup: Setup, result, prompt_len: int, *, prompt: str, draft: str,
 
 def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: Sequence[str], *,
                      gamma: int, temperature: float, max_new_tokens: int, seed: int,
-                     repeats: int, verifier: str = "token") -> list[Run]:
-  """Plain decoding and every draft on one request, timed side by side.
+                     repeats: int, verifiers: Sequence[str] = ("token",)) -> list[Run]:
+  """Plain decoding and every draft (with every verifier) on one request, timed side by side.
 
   Every variant is compiled and run once first; then ``repeats`` rounds time each
   variant in turn (so all see the same machine conditions), and each variant's time
-  is the median over the rounds.
+  is the median over the rounds. A variant is named ``draft`` for token-wise
+  verification and ``draft+block`` for block verification.
   """
-  variants = ("plain", *drafts)
+  variants = ("plain", *(d if v == "token" else f"{d}+{v}" for d in drafts for v in verifiers))
   calls, results, compile_s = {}, {}, {}
   for name in variants:
     calls[name], prompt_len = _make_call(setup, prompt_text, name, gamma=gamma,
                                          temperature=temperature, max_new_tokens=max_new_tokens,
-                                         seed=seed, verifier=verifier)
+                                         seed=seed, verifier="token")
     results[name], compile_s[name], _ = _timed(calls[name], 0)
   times: dict[str, list[float]] = {name: [] for name in variants}
   for _ in range(max(repeats, 1)):
@@ -268,7 +271,8 @@ def predicted_speedup(run: Run, costs: Costs) -> float:
   tokens_per_iteration = float(expected_tokens_per_position(jnp.asarray(run.alphas)))
   prefill = costs.prefill[run.prompt]
   plain = prefill + n * (costs.target_step + costs.sample)
-  iteration = run.gamma * costs.draft_step[run.draft] + costs.target_verify + costs.verify
+  draft = run.draft.partition("+")[0]
+  iteration = run.gamma * costs.draft_step[draft] + costs.target_verify + costs.verify
   return plain / (prefill + n / tokens_per_iteration * iteration)
 
 
@@ -311,7 +315,7 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
 
 def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
               temperatures: Sequence[float], gamma: int, max_new_tokens: int, repeats: int,
-              seed: int, verifier: str = "token", show_text: bool = True,
+              seed: int, verifiers: Sequence[str] = ("token",), show_text: bool = True,
               out=sys.stdout) -> tuple[list[Run], Costs]:
   """Plain and speculative decoding for every prompt, temperature and draft; prints as it goes."""
   runs: list[Run] = []
@@ -319,7 +323,7 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
     for temperature in temperatures:
       group = run_side_by_side(setup, name, text, drafts, gamma=gamma, temperature=temperature,
                                max_new_tokens=max_new_tokens, seed=seed, repeats=repeats,
-                               verifier=verifier)
+                               verifiers=verifiers)
       runs.extend(group)
       for run in group:
         label = f"[{name} | temperature {temperature:g} | {run.draft}]"
@@ -348,7 +352,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) ->
                       default=[0.0] if generate_command else [0.0, 0.7],
                       help="sampling temperatures; 0 is greedy")
   parser.add_argument("--max-new-tokens", type=int, default=96)
-  parser.add_argument("--verifier", default="token", help="token (default) or block")
+  parser.add_argument("--verifier", nargs="+", default=["token"], choices=("token", "block"),
+                      help="token-wise (default) and/or block verification (Sun et al. 2024)")
   parser.add_argument("--repeats", type=int, default=1 if generate_command else 5,
                       help="timed runs after the compiling one (median)")
   parser.add_argument("--seed", type=int, default=0)
@@ -365,5 +370,5 @@ def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) 
     prompts = {"prompt": args.prompt} if getattr(args, "prompt", None) else PROMPTS
   run_suite(setup, prompts=prompts, drafts=args.draft, temperatures=args.temperature,
             gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-            seed=args.seed, verifier=args.verifier)
+            seed=args.seed, verifiers=args.verifier)
   return 0
