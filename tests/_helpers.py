@@ -99,3 +99,47 @@ def assert_same_distribution(samples: np.ndarray, probs: np.ndarray, alpha: floa
   if pvalue < alpha:
     raise AssertionError(f"{label}: chi-square p = {pvalue:.3g} < alpha = {alpha:.3g}; {detail}")
   return pvalue
+
+
+def dirichlet_case(seed: int, gamma: int, vocab: int, zeros: bool = False):
+  """Random ``(p (gamma + 1, V), q (gamma, V))`` with q half p, half noise.
+
+  ``zeros``: q misses a token the target likes (q[:, -1] = 0) and proposes one the
+  target never emits (p[:, 0] = 0).
+  """
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet(np.ones(vocab), size=gamma + 1)
+  q = 0.5 * p[:gamma] + 0.5 * rng.dirichlet(np.ones(vocab), size=gamma)
+  if zeros:
+    p[:, 0] = 0.0
+    q[:, -1] = 0.0
+    p /= p.sum(-1, keepdims=True)
+    q /= q.sum(-1, keepdims=True)
+  return p, q
+
+
+def conditional_errors(law: dict[tuple[int, ...], float], p: np.ndarray) -> float:
+  """Largest |P(y_j = v | y_<j = prefix, the step emits position j) - p[j, v]| of an exact law."""
+  worst = 0.0
+  prefix_mass: dict[tuple[int, ...], np.ndarray] = {}
+  for tokens, mass in law.items():
+    for j in range(len(tokens)):
+      row = prefix_mass.setdefault(tokens[:j], np.zeros(p.shape[1]))
+      row[tokens[j]] += mass
+  for prefix, row in prefix_mass.items():
+    if row.sum() > 0:
+      worst = max(worst, float(np.max(np.abs(row / row.sum() - p[len(prefix)]))))
+  return worst
+
+
+def per_position(tokens: np.ndarray, num_tokens: np.ndarray, p: np.ndarray, alpha: float,
+                 label: str, min_count: int = 500) -> int:
+  """Chi-square of the emitted token at every position with enough samples; how many were tested."""
+  tested = 0
+  for j in range(p.shape[0]):
+    emitted = num_tokens > j
+    if emitted.sum() < min_count:  # too few to test this position
+      continue
+    assert_same_distribution(tokens[emitted, j], p[j], alpha, f"{label} position {j}")
+    tested += 1
+  return tested

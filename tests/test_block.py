@@ -33,6 +33,9 @@ from tests._helpers import P_EXAMPLE
 from tests._helpers import Q_EXAMPLE
 from tests._helpers import U_EXAMPLE
 from tests._helpers import assert_same_distribution
+from tests._helpers import conditional_errors
+from tests._helpers import dirichlet_case
+from tests._helpers import per_position
 from tests._helpers import random_case
 from tests._helpers import sample_rows
 
@@ -42,27 +45,17 @@ ALPHA_EACH = ALPHA / NUM_TESTS
 TRIALS = 200_000
 
 
-def _dirichlet_case(seed: int, gamma: int, vocab: int, zeros: bool = False):
-  rng = np.random.default_rng(seed)
-  p = rng.dirichlet(np.ones(vocab), size=gamma + 1)
-  q = 0.5 * p[:gamma] + 0.5 * rng.dirichlet(np.ones(vocab), size=gamma)
-  if zeros:  # q misses some tokens the target likes, and proposes some it never emits
-    p[:, 0] = 0.0
-    q[:, -1] = 0.0
-    p /= p.sum(-1, keepdims=True)
-    q /= q.sum(-1, keepdims=True)
-  return p, q
 
 
 CASES = {
   "worked_example": (P_EXAMPLE, Q_EXAMPLE),
-  "dirichlet_g4_v5": _dirichlet_case(0, 4, 5),
-  "zeros_g3_v5": _dirichlet_case(1, 3, 5, zeros=True),
+  "dirichlet_g4_v5": dirichlet_case(0, 4, 5),
+  "zeros_g3_v5": dirichlet_case(1, 3, 5, zeros=True),
 }
 ENUMERATION_CASES = {
   **CASES,
-  "zeros_g2_v4": _dirichlet_case(2, 2, 4, zeros=True),
-  "equal_g3_v3": (lambda p: (p, p[:3].copy()))(_dirichlet_case(3, 3, 3)[0]),
+  "zeros_g2_v4": dirichlet_case(2, 2, 4, zeros=True),
+  "equal_g3_v3": (lambda p: (p, p[:3].copy()))(dirichlet_case(3, 3, 3)[0]),
   "one_hot_g2_v3": (np.eye(3)[[0, 1, 2]], np.eye(3)[[0, 2]]),
 }
 
@@ -117,18 +110,6 @@ def test_worked_example_and_uniform_order():
 # Exact enumeration.
 
 
-def _conditional_errors(law: dict[tuple[int, ...], float], p: np.ndarray) -> float:
-  """Largest |P(y_j = v | y_<j = prefix, position j emitted) - p[j, v]|."""
-  worst = 0.0
-  prefix_mass: dict[tuple[int, ...], np.ndarray] = {}
-  for tokens, mass in law.items():
-    for j in range(len(tokens)):
-      row = prefix_mass.setdefault(tokens[:j], np.zeros(p.shape[1]))
-      row[tokens[j]] += mass
-  for prefix, row in prefix_mass.items():
-    if row.sum() > 0:
-      worst = max(worst, float(np.max(np.abs(row / row.sum() - p[len(prefix)]))))
-  return worst
 
 
 def _mistaken_law(p, q, mistake: str) -> dict[tuple[int, ...], float]:
@@ -171,14 +152,14 @@ def test_enumeration_every_prefix_gets_the_target_row(name):
   p, q = ENUMERATION_CASES[name]
   law = reference.block_output_distribution(p, q)
   assert abs(sum(law.values()) - 1) < 1e-10
-  assert _conditional_errors(law, np.asarray(p, np.float64)) < 1e-10
+  assert conditional_errors(law, np.asarray(p, np.float64)) < 1e-10
 
 
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_enumeration_negative_controls_are_caught(mistake):
   p, q = CASES["dirichlet_g4_v5"]
-  assert _conditional_errors(_mistaken_law(p, q, "none"), p) < 1e-10  # the helper is right
-  assert _conditional_errors(_mistaken_law(p, q, mistake), p) > 1e-3
+  assert conditional_errors(_mistaken_law(p, q, "none"), p) < 1e-10  # the helper is right
+  assert conditional_errors(_mistaken_law(p, q, mistake), p) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,15 +178,6 @@ def _simulate(name: str, seed: int = 0):
   return jax.device_get(result)
 
 
-def _per_position(tokens: np.ndarray, num_tokens: np.ndarray, p: np.ndarray, label: str):
-  tested = 0
-  for j in range(p.shape[0]):
-    emitted = num_tokens > j
-    if emitted.sum() < 500:
-      continue
-    assert_same_distribution(tokens[emitted, j], p[j], ALPHA_EACH, f"{label} position {j}")
-    tested += 1
-  return tested
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -213,7 +185,7 @@ def test_chi_square_per_position(name):
   p = np.asarray(CASES[name][0])
   result = _simulate(name)
   assert np.all(result.valid)
-  assert _per_position(result.tokens, result.num_tokens, p, name) >= 2
+  assert per_position(result.tokens, result.num_tokens, p, ALPHA_EACH, name) >= 2
 
 
 def test_chi_square_whole_outputs_against_enumeration():
@@ -246,7 +218,7 @@ def test_negative_controls_fail_the_chi_square(mistake):
   p, q = CASES["zeros_g3_v5"]
   tokens, num = _sample_law(_mistaken_law(p, q, mistake), TRIALS, seed=5)
   with pytest.raises(AssertionError, match="chi-square"):
-    _per_position(tokens, num, np.asarray(p), mistake)
+    per_position(tokens, num, np.asarray(p), ALPHA_EACH, mistake)
 
 
 # ---------------------------------------------------------------------------------------------

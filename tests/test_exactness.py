@@ -28,6 +28,9 @@ from specdec_jax import verify
 from tests._helpers import P_EXAMPLE
 from tests._helpers import Q_EXAMPLE
 from tests._helpers import assert_same_distribution
+from tests._helpers import conditional_errors
+from tests._helpers import dirichlet_case
+from tests._helpers import per_position
 from tests._helpers import sample_rows
 
 ALPHA = 0.01
@@ -36,22 +39,12 @@ ALPHA_EACH = ALPHA / NUM_TESTS
 TRIALS = 200_000
 
 
-def _dirichlet_case(seed: int, gamma: int, vocab: int, zeros: bool = False):
-  rng = np.random.default_rng(seed)
-  p = rng.dirichlet(np.ones(vocab), size=gamma + 1)
-  q = 0.5 * p[:gamma] + 0.5 * rng.dirichlet(np.ones(vocab), size=gamma)
-  if zeros:  # q misses some tokens the target likes, and proposes some it never emits
-    p[:, 0] = 0.0
-    q[:, -1] = 0.0
-    p /= p.sum(-1, keepdims=True)
-    q /= q.sum(-1, keepdims=True)
-  return p, q
 
 
 CASES = {
   "worked_example": (P_EXAMPLE, Q_EXAMPLE),
-  "dirichlet_g4_v6": _dirichlet_case(0, 4, 6),
-  "zeros_g3_v5": _dirichlet_case(1, 3, 5, zeros=True),
+  "dirichlet_g4_v6": dirichlet_case(0, 4, 6),
+  "zeros_g3_v5": dirichlet_case(1, 3, 5, zeros=True),
 }
 
 
@@ -59,19 +52,6 @@ CASES = {
 # Exact enumeration.
 
 
-def _conditional_errors(law: dict[tuple[int, ...], float], p: np.ndarray) -> float:
-  """Largest |P(y_j = v | y_<j = prefix, the step emits position j) - p[j, v]|."""
-  worst = 0.0
-  prefix_mass: dict[tuple[int, ...], np.ndarray] = {}
-  for tokens, mass in law.items():
-    for j in range(len(tokens)):
-      row = prefix_mass.setdefault(tokens[:j], np.zeros(p.shape[1]))
-      row[tokens[j]] += mass
-  for prefix, row in prefix_mass.items():
-    if row.sum() == 0:
-      continue
-    worst = max(worst, float(np.max(np.abs(row / row.sum() - p[len(prefix)]))))
-  return worst
 
 
 def _wrong_rule_law(p, q):
@@ -96,13 +76,13 @@ def test_enumeration_every_prefix_gets_the_target_row(name):
   p, q = CASES[name]
   law = reference.output_distribution(p, q)
   assert abs(sum(law.values()) - 1) < 1e-12
-  assert _conditional_errors(law, np.asarray(p)) < 1e-12
+  assert conditional_errors(law, np.asarray(p)) < 1e-12
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_enumeration_negative_control_wrong_rule_is_caught(name):
   p, q = CASES[name]
-  assert _conditional_errors(_wrong_rule_law(p, q), np.asarray(p)) > 1e-3
+  assert conditional_errors(_wrong_rule_law(p, q), np.asarray(p)) > 1e-3
 
 
 def test_enumeration_negative_control_wrong_q_is_caught():
@@ -110,7 +90,7 @@ def test_enumeration_negative_control_wrong_q_is_caught():
   p, q = CASES["worked_example"]
   q_used = np.array([[1 / 3] * 3, [1 / 3] * 3])
   law = reference.output_distribution(p, q)  # the law of the rule with the true q ...
-  assert _conditional_errors(law, p) < 1e-12
+  assert conditional_errors(law, p) < 1e-12
   # ... and of the same drafts (from q) verified against q_used: enumerate by hand.
   gamma, vocab = q.shape
   wrong: dict[tuple[int, ...], float] = {}
@@ -124,7 +104,7 @@ def test_enumeration_negative_control_wrong_q_is_caught():
       reach *= accept
     for y in range(vocab):
       wrong[(*draft, y)] = wrong.get((*draft, y), 0.0) + reach * p[gamma, y]
-  assert _conditional_errors(wrong, p) > 1e-3
+  assert conditional_errors(wrong, p) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,12 +125,6 @@ def _simulate(name: str, seed: int = 0, q_override: bool = False):
   return jax.device_get(result), drafts, uniforms
 
 
-def _per_position(tokens: np.ndarray, num_tokens: np.ndarray, p: np.ndarray, label: str):
-  for j in range(p.shape[0]):
-    emitted = num_tokens > j
-    if emitted.sum() < 500:  # too few to test this position
-      continue
-    assert_same_distribution(tokens[emitted, j], p[j], ALPHA_EACH, f"{label} position {j}")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -158,7 +132,7 @@ def test_chi_square_per_position(name):
   p = np.asarray(CASES[name][0])
   result, _, _ = _simulate(name)
   assert np.all(np.asarray(result.valid))
-  _per_position(np.asarray(result.tokens), np.asarray(result.num_tokens), p, name)
+  per_position(np.asarray(result.tokens), np.asarray(result.num_tokens), p, ALPHA_EACH, name)
 
 
 def test_chi_square_of_whole_outputs_against_enumeration():
@@ -178,7 +152,8 @@ def test_negative_control_wrong_q_fails_the_chi_square():
   p = np.asarray(CASES["dirichlet_g4_v6"][0])
   result, _, _ = _simulate("dirichlet_g4_v6", q_override=True)
   with pytest.raises(AssertionError, match="chi-square"):
-    _per_position(np.asarray(result.tokens), np.asarray(result.num_tokens), p, "wrong q")
+    per_position(np.asarray(result.tokens), np.asarray(result.num_tokens), p, ALPHA_EACH,
+                 "wrong q")
 
 
 @pytest.mark.parametrize("mistake", ["replacement_from_p", "accept_min_q_over_p"])
@@ -212,7 +187,7 @@ def test_negative_control_wrong_rule_fails_the_chi_square(mistake):
   tokens[alive, gamma] = bonus[alive]
   num[alive] = gamma + 1
   with pytest.raises(AssertionError, match="chi-square"):
-    _per_position(tokens, num, p, mistake)
+    per_position(tokens, num, p, ALPHA_EACH, mistake)
 
 
 def test_acceptance_rate_and_tokens_per_step_with_repeated_rows():
