@@ -31,11 +31,13 @@ from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax._verify import verify_with_key
 from specdec_jax.decoding import DecodeStats
+from specdec_jax.decoding import DraftTree
 from specdec_jax.decoding import GenerateResult
 from specdec_jax.decoding import PromptLookup
 from specdec_jax.decoding import SpeculativeResult
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate
+from specdec_jax.decoding import tree_speculative_generate
 from specdec_jax.models import Model
 
 __version__ = "0.1.0"
@@ -43,6 +45,7 @@ __version__ = "0.1.0"
 __all__ = (
   "DecodeStats",
   "DraftSample",
+  "DraftTree",
   "ErrorCode",
   "GenerateResult",
   "Model",
@@ -66,6 +69,7 @@ __all__ = (
   "speculative_generate",
   "speculative_step",
   "theory",
+  "tree_speculative_generate",
   "tree_verify",
   "tree_verify_with_key",
   "verify",

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
+import jax.numpy as jnp
 import numpy as np
 from scipy import stats
+
+from specdec_jax import SamplingParams
+from specdec_jax import process_logits
 
 # The worked example of SPEC.md.
 P_EXAMPLE = np.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
@@ -143,3 +149,26 @@ def per_position(tokens: np.ndarray, num_tokens: np.ndarray, p: np.ndarray, alph
     assert_same_distribution(tokens[emitted, j], p[j], alpha, f"{label} position {j}")
     tested += 1
   return tested
+
+
+def exact_sequence_probs(model, prompt, new: int, params: SamplingParams) -> np.ndarray:
+  """P(continuation) for every continuation in lexicographic order, by enumeration (float64)."""
+  vocab = model.vocab_size
+  conts = np.array(list(itertools.product(range(vocab), repeat=new)), np.int32)
+  seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1)
+  width = seqs.shape[1]
+  positions = np.broadcast_to(np.arange(width, dtype=np.int32), seqs.shape)
+  logits, _ = model.apply(model.params, jnp.asarray(seqs), jnp.asarray(positions),
+                          model.init_cache(len(seqs), width))
+  probs = np.asarray(process_logits(logits.reshape(-1, vocab), params), np.float64)
+  probs = probs.reshape(len(seqs), width, vocab)
+  start = len(prompt)
+  out = np.ones(len(seqs))
+  for i in range(new):
+    out *= probs[np.arange(len(seqs)), start - 1 + i, conts[:, i]]
+  return out / out.sum()
+
+
+def sequence_index(tokens: np.ndarray, vocab: int) -> np.ndarray:
+  """Index of each row of ``tokens (n, k)`` in the lexicographic order of ``V ** k`` sequences."""
+  return tokens @ (vocab ** np.arange(tokens.shape[1] - 1, -1, -1))

@@ -11,7 +11,6 @@ tests of this module (Bonferroni); each negative control must be rejected at ``1
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,6 @@ import numpy as np
 import pytest
 
 from specdec_jax import SamplingParams
-from specdec_jax import process_logits
 from specdec_jax import verify
 from specdec_jax.decoding import VERIFIERS
 from specdec_jax.decoding import DecodeStats
@@ -30,6 +28,8 @@ from specdec_jax.decoding import speculative_generate
 from specdec_jax.models import Model
 from specdec_jax.models.toy import make_toy_model
 from tests._helpers import chi_square_pvalue
+from tests._helpers import exact_sequence_probs
+from tests._helpers import sequence_index
 
 ALPHA = 0.01
 NUM_EXACT_TESTS = 3  # two speculative drafts and the plain baseline
@@ -190,31 +190,9 @@ EXACT_PARAMS = {
 }
 
 
-def _exact_sequence_probs(model: Model, prompt, new: int, params: SamplingParams) -> np.ndarray:
-  """P(continuation) for every continuation in lexicographic order, by enumeration (float64)."""
-  vocab = model.vocab_size
-  conts = np.array(list(itertools.product(range(vocab), repeat=new)), np.int32)
-  seqs = np.concatenate([np.tile(prompt, (len(conts), 1)), conts], axis=1)
-  width = seqs.shape[1]
-  positions = np.broadcast_to(np.arange(width, dtype=np.int32), seqs.shape)
-  logits, _ = model.apply(model.params, jnp.asarray(seqs), jnp.asarray(positions),
-                          model.init_cache(len(seqs), width))
-  probs = np.asarray(process_logits(logits.reshape(-1, vocab), params), np.float64)
-  probs = probs.reshape(len(seqs), width, vocab)
-  start = len(prompt)
-  out = np.ones(len(seqs))
-  for i in range(new):
-    out *= probs[np.arange(len(seqs)), start - 1 + i, conts[:, i]]
-  return out / out.sum()
-
-
 @functools.cache
 def _exact_probs(kind: str) -> np.ndarray:
-  return _exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS[kind])
-
-
-def _sequence_index(tokens: np.ndarray, vocab: int) -> np.ndarray:
-  return tokens @ (vocab ** np.arange(tokens.shape[1] - 1, -1, -1))
+  return exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS[kind])
 
 
 def _wrong_q_verifier(kind: str):
@@ -256,7 +234,7 @@ def test_sampled_sequences_follow_target(kind):
   # Every path is exercised: rejections, acceptances, full acceptances with a bonus token.
   assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
   assert (stats.row_target_calls > 2).any()
-  counts = np.bincount(_sequence_index(tokens, EXACT_V), minlength=len(probs))
+  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
   pvalue, detail = chi_square_pvalue(counts, probs)
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{kind}: chi-square p = {pvalue:.3g}; {detail}"
 
@@ -266,7 +244,7 @@ def test_wrong_q_is_detected(kind):
   """Negative control: the same check rejects verification with the wrong q."""
   probs = _exact_probs(kind)
   tokens, _ = _sample_sequences(kind, _WRONG[kind], seed=200 + len(kind))
-  counts = np.bincount(_sequence_index(tokens, EXACT_V), minlength=len(probs))
+  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
   pvalue, detail = chi_square_pvalue(counts, probs)
   assert pvalue < 1e-6, f"{kind}: the wrong q went undetected (p = {pvalue:.3g}); {detail}"
 
@@ -279,7 +257,7 @@ def test_plain_sampling_follows_target():
   out = generate(EXACT_TARGET, prompt, lengths, jax.random.key(300), max_new_tokens=EXACT_NEW,
                  params=EXACT_PARAMS["plain"])
   tokens = np.asarray(out.tokens)[:, len(EXACT_PROMPT):]
-  counts = np.bincount(_sequence_index(tokens, EXACT_V), minlength=len(probs))
+  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
   pvalue, detail = chi_square_pvalue(counts, probs)
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"generate: chi-square p = {pvalue:.3g}; {detail}"
 

@@ -262,3 +262,69 @@ def test_gguf_rope_permutation_is_undone():
     np.testing.assert_allclose(ours @ ours.T, cpp @ cpp.T, rtol=1e-4, atol=1e-4)
     # And literally the same vectors up to the permutation.
     np.testing.assert_allclose(unpermute_rope_rows(cpp.T, 1).T, ours, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tree attention (the protocol's tree_apply) and copy_slots.
+
+TREE_PARENTS = np.array([-1, 0, 0, 1, 1, 2, 3])  # node 0 is the last context token
+TREE_DEPTHS = np.array([0, 1, 1, 2, 2, 2, 3])
+
+
+def _tree_mask() -> np.ndarray:
+  mask = np.eye(len(TREE_PARENTS), dtype=bool)
+  for c in range(1, len(TREE_PARENTS)):
+    mask[c] |= mask[TREE_PARENTS[c]]
+  return mask
+
+
+def _path(node: int) -> list[int]:
+  out = [node]
+  while TREE_PARENTS[out[-1]] > 0:
+    out.append(int(TREE_PARENTS[out[-1]]))
+  return out[::-1] if node > 0 else []
+
+
+@pytest.mark.parametrize("start", [1, 4])
+def test_tree_apply_equals_the_forward_of_every_path(setup, start):
+  """Each node's logits (and root's) equal a full forward over context + that node's path.
+
+  The context fills slots ``0 .. start - 1`` and node 0 sits at slot ``start`` (position
+  ``start``), so every tree slot lies inside the cache (``start + N <= MAX_LEN``); stale
+  values beyond the tree must not matter, so the cache is first filled with junk there.
+  """
+  _, _, model, tokens = setup
+  rng = np.random.default_rng(5)
+  nodes = rng.integers(0, model.vocab_size, size=len(TREE_PARENTS)).astype(np.int32)
+  nodes[0] = tokens[start]
+  junk = rng.integers(0, model.vocab_size, size=MAX_LEN).astype(np.int32)
+  _, cache = _run(model, junk[None], np.arange(MAX_LEN)[None], model.init_cache(1, MAX_LEN))
+  _, cache = _chunked(model, tokens[:start], start, cache=cache)
+  positions = (start + TREE_DEPTHS)[None]
+  logits, _ = model.tree_apply(model.params, jnp.asarray(nodes[None]), jnp.asarray(positions),
+                               cache, jnp.array([start]), jnp.arange(len(nodes)),
+                               jnp.asarray(_tree_mask()))
+  for node in range(len(nodes)):
+    seq = np.concatenate([tokens[: start + 1], nodes[_path(node)]])
+    np.testing.assert_allclose(logits[0, node], _full(model, seq)[-1], **JAX_TOL,
+                               err_msg=f"node {node}")
+
+
+def test_copy_slots_commits_an_accepted_path(setup):
+  """Tree, then copy the path 0 -> 1 -> 3 -> 6 into place: decoding goes on as if sequential."""
+  _, _, model, tokens = setup
+  start = 3
+  nodes = np.random.default_rng(6).integers(0, model.vocab_size, len(TREE_PARENTS)).astype(np.int32)
+  nodes[0] = tokens[start]
+  _, cache = _chunked(model, tokens[:start], start)
+  _, cache = model.tree_apply(model.params, jnp.asarray(nodes[None]),
+                              jnp.asarray((start + TREE_DEPTHS)[None]), cache, jnp.array([start]),
+                              jnp.arange(len(nodes)), jnp.asarray(_tree_mask()))
+  path = [1, 3, 6]
+  src = jnp.asarray([[start + c for c in path]])
+  dst = jnp.asarray([[start + 1 + i for i in range(len(path))]])
+  cache = model.copy_slots(cache, src, dst)
+  nxt = np.array([7], np.int32)
+  logits, _ = _run(model, nxt[None], np.array([[start + 1 + len(path)]]), cache)
+  seq = np.concatenate([tokens[: start + 1], nodes[path], nxt])
+  np.testing.assert_allclose(logits[0, 0], _full(model, seq)[-1], **JAX_TOL)

@@ -178,7 +178,7 @@ def test_chat_prompt(smollm2):
   assert tok.decode(ids) == prompt
 
 
-@pytest.mark.parametrize("draft_name", ["lookup", "skip"])
+@pytest.mark.parametrize("draft_name", ["lookup", "skip", "skip-tree"])
 def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
   """On the real model, greedy speculative decoding reproduces greedy decoding token for token."""
   import jax
@@ -187,6 +187,8 @@ def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
   from specdec_jax import SamplingParams
   from specdec_jax import generate
   from specdec_jax import speculative_generate
+  from specdec_jax.decoding import DraftTree
+  from specdec_jax.decoding import tree_speculative_generate
 
   params, config, tok = smollm2
   target = llama.make_model(params, config)
@@ -198,8 +200,13 @@ def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
   greedy = SamplingParams(temperature=0.0)
   plain = generate(target, prompt, lengths, jax.random.key(0), max_new_tokens=24,
                    params=greedy, eos_id=tok.eos_id)
-  fast = speculative_generate(target, draft, prompt, lengths, jax.random.key(0), gamma=4,
-                              max_new_tokens=24, params=greedy, eos_id=tok.eos_id)
+  if draft_name == "skip-tree":  # a top-k tree: tree attention in both models
+    fast = tree_speculative_generate(target, draft, prompt, lengths, jax.random.key(0),
+                                     tree=DraftTree.from_branching((3, 2, 1, 1)),
+                                     max_new_tokens=24, params=greedy, eos_id=tok.eos_id)
+  else:
+    fast = speculative_generate(target, draft, prompt, lengths, jax.random.key(0), gamma=4,
+                                max_new_tokens=24, params=greedy, eos_id=tok.eos_id)
   assert int(fast.num_new[0]) == int(plain.num_new[0]) > 0
   np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(plain.tokens))
   assert int(fast.error[0]) == 0

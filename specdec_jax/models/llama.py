@@ -210,18 +210,18 @@ def _layer(
   x: jax.Array,
   cache: KVCache,
   j: jax.Array,
-  positions: jax.Array,
+  slots: jax.Array,
+  visible: jax.Array,
   cos: jax.Array,
   sin: jax.Array,
 ) -> tuple[jax.Array, KVCache]:
   """One transformer block on ``x (B, T, D)`` with one layer's weights ``w`` (no layer axis).
 
-  Writes the new keys/values at ``positions`` into entry ``j`` of the stacked ``cache`` and
-  returns ``(x, cache)``.
+  Writes the new keys/values at ``slots (B, T)`` into entry ``j`` of the stacked ``cache``;
+  token ``(b, t)`` attends to the slots ``s`` with ``visible[b, t, s]``. Returns ``(x, cache)``.
   """
   c = config
   B, T, _ = x.shape
-  S = cache.k.shape[3]
   G = c.n_heads // c.n_kv_heads
 
   h = _rms_norm(x, w.attn_norm, c.norm_eps)
@@ -230,19 +230,18 @@ def _layer(
   v = jnp.einsum("btd,dn->btn", h, w.wv).reshape(B, T, c.n_kv_heads, c.head_dim)
   q, k = _rope(q, cos, sin), _rope(k, cos, sin)
 
-  # Write slot positions[b, t] of row b, in place in the stacked cache (the index result has
-  # shape (B, T, KV, hd), as k and v); positions outside [0, S) are dropped, not clamped.
+  # Write slot slots[b, t] of row b, in place in the stacked cache (the index result has
+  # shape (B, T, KV, hd), as k and v); slots outside [0, S) are dropped, not clamped.
   rows = jnp.arange(B, dtype=jnp.int32)[:, None]
   cache = KVCache(
-    k=cache.k.at[j, rows, :, positions].set(k, mode="drop"),
-    v=cache.v.at[j, rows, :, positions].set(v, mode="drop"),
+    k=cache.k.at[j, rows, :, slots].set(k, mode="drop"),
+    v=cache.v.at[j, rows, :, slots].set(v, mode="drop"),
   )
   k_cache, v_cache = cache.k[j], cache.v[j]  # (B, KV, S, hd)
 
   # Query head h uses kv head h // G (the grouping of Hugging Face's repeat_kv and llama.cpp).
   qg = q.reshape(B, T, c.n_kv_heads, G, c.head_dim)
   scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache) * (1.0 / math.sqrt(c.head_dim))
-  visible = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # (B, T, S)
   scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
   attn = jnp.einsum("bkgts,bksd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim)
@@ -253,6 +252,42 @@ def _layer(
   up = jnp.einsum("btd,df->btf", h, w.w_up)
   x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down)
   return x, cache
+
+
+def _forward(params: LlamaParams, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
+             visible: jax.Array, cache: KVCache, config: LlamaConfig,
+             layers: tuple[int, ...] | None) -> tuple[jax.Array, KVCache]:
+  """The forward shared by :func:`llama_apply` and :func:`llama_tree_apply`.
+
+  Token ``(b, t)`` is rotated by ``positions[b, t]``, written to ``slots[b, t]`` and attends to
+  the slots ``s`` with ``visible[b, t, s]``.
+  """
+  c = config
+  layer_ids = tuple(range(c.n_layers)) if layers is None else tuple(layers)
+  if cache.k.shape[0] != len(layer_ids):
+    raise ValueError(f"cache has {cache.k.shape[0]} layers but {len(layer_ids)} are run")
+  x = jnp.take(params.embed, tokens, axis=0, mode="fill", fill_value=jnp.nan)  # (B, T, D)
+
+  angles = (
+    positions.astype(jnp.float32)[:, :, None]
+    * jnp.asarray(_rope_inv_freq(c.head_dim, c.rope_theta))[None, None, :]
+  )
+  cos, sin = jnp.cos(angles), jnp.sin(angles)  # (B, T, hd/2)
+
+  # Scan over the layers run; the weights of layer layer_ids[j] are read by a dynamic index
+  # into the stacked arrays (no gathered copy of a layer subset), cache entry j is updated.
+  def body(carry, xs):
+    j, layer = xs
+    w = jax.tree.map(lambda a: a[layer], params.layers)
+    return _layer(c, w, *carry, j, slots, visible, cos, sin), None
+
+  xs = (jnp.arange(len(layer_ids), dtype=jnp.int32), jnp.asarray(layer_ids, jnp.int32))
+  (x, cache), _ = lax.scan(body, (x, cache), xs)
+
+  x = _rms_norm(x, params.final_norm, c.norm_eps)
+  head = params.embed if params.output is None else params.output
+  logits = jnp.einsum("btd,vd->btv", x, head)
+  return logits, cache
 
 
 def llama_apply(
@@ -281,34 +316,80 @@ def llama_apply(
     ``(logits, cache)``: float32 ``(B, T, V)`` next-token logits after each token, and the
     updated cache.
   """
-  c = config
-  layer_ids = tuple(range(c.n_layers)) if layers is None else tuple(layers)
-  if cache.k.shape[0] != len(layer_ids):
-    raise ValueError(f"cache has {cache.k.shape[0]} layers but {len(layer_ids)} are run")
   tokens = jnp.asarray(tokens, jnp.int32)
   positions = jnp.asarray(positions, jnp.int32)
-  x = jnp.take(params.embed, tokens, axis=0, mode="fill", fill_value=jnp.nan)  # (B, T, D)
+  size = cache.k.shape[3]
+  visible = jnp.arange(size, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # (B, T, S)
+  return _forward(params, tokens, positions, positions, visible, cache, config, layers)
 
-  angles = (
-    positions.astype(jnp.float32)[:, :, None]
-    * jnp.asarray(_rope_inv_freq(c.head_dim, c.rope_theta))[None, None, :]
-  )
-  cos, sin = jnp.cos(angles), jnp.sin(angles)  # (B, T, hd/2)
 
-  # Scan over the layers run; the weights of layer layer_ids[j] are read by a dynamic index
-  # into the stacked arrays (no gathered copy of a layer subset), cache entry j is updated.
-  def body(carry, xs):
-    j, layer = xs
-    w = jax.tree.map(lambda a: a[layer], params.layers)
-    return _layer(c, w, *carry, j, positions, cos, sin), None
+def llama_tree_apply(
+  params: LlamaParams,
+  tokens: jax.Array,
+  positions: jax.Array,
+  cache: KVCache,
+  start: jax.Array,
+  nodes: jax.Array,
+  tree_mask: jax.Array,
+  *,
+  config: LlamaConfig,
+  layers: tuple[int, ...] | None = None,
+) -> tuple[jax.Array, KVCache]:
+  """The Llama forward over the nodes of a draft tree (tree attention): ``Model.tree_apply``.
 
-  xs = (jnp.arange(len(layer_ids), dtype=jnp.int32), jnp.asarray(layer_ids, jnp.int32))
-  (x, cache), _ = lax.scan(body, (x, cache), xs)
+  The tree's ``N`` nodes occupy the slots ``start .. start + N - 1`` of each row. Token
+  ``(b, t)`` is tree node ``nodes[t]``: it is rotated by ``positions[b, t]`` (its depth
+  plus ``start``), written to slot ``start[b] + nodes[t]``, and attends to every slot
+  before ``start[b]`` (the accepted context) and to the tree slots ``start[b] + j`` with
+  ``tree_mask[t, j]`` (its ancestors and itself). Nothing after the tree is read.
 
-  x = _rms_norm(x, params.final_norm, c.norm_eps)
-  head = params.embed if params.output is None else params.output
-  logits = jnp.einsum("btd,vd->btv", x, head)
-  return logits, cache
+  Args:
+    params, config, layers: as in :func:`llama_apply`.
+    tokens: int32 ``(B, T)``.
+    positions: int32 ``(B, T)``.
+    cache: :class:`KVCache`.
+    start: int32 ``(B,)``, the slot of tree node 0 in each row.
+    nodes: int32 ``(T,)``, the tree node of each token, in ``[0, N)``.
+    tree_mask: bool ``(T, N)``.
+
+  Returns:
+    ``(logits (B, T, V) float32, cache)``.
+
+  Reference:
+    Miao et al., "SpecInfer", arXiv:2305.09781 (tree attention).
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = jnp.asarray(positions, jnp.int32)
+  start = jnp.asarray(start, jnp.int32)[:, None]  # (B, 1)
+  nodes = jnp.asarray(nodes, jnp.int32)
+  size, width = cache.k.shape[3], tree_mask.shape[1]
+  rel = jnp.arange(size, dtype=jnp.int32)[None, :] - start  # (B, S): slot minus the tree start
+  in_tree = jnp.take(jnp.asarray(tree_mask, bool), jnp.clip(rel, 0, width - 1), axis=1)
+  in_tree = jnp.moveaxis(in_tree, 1, 0)  # (B, T, S)
+  visible = (rel[:, None, :] < 0) | ((rel[:, None, :] < width) & in_tree)
+  slots = start + nodes[None, :]
+  return _forward(params, tokens, positions, slots, visible, cache, config, layers)
+
+
+def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+  """Copy the keys/values of slots ``src[b, k]`` to ``dst[b, k]`` (all read before any write).
+
+  The protocol's ``copy_slots``: after tree verification, the accepted path is moved from
+  its tree slots to the slots of its positions. Entries with ``src == dst`` change nothing.
+
+  Args:
+    cache: :class:`KVCache`.
+    src: int32 ``(B, K)`` slots to read.
+    dst: int32 ``(B, K)`` slots to write (distinct within a row, or equal to ``src``).
+
+  Returns:
+    The updated :class:`KVCache`.
+  """
+  def row(k, v, s, d):  # k, v: (layers, KV, S, hd)
+    return k.at[:, :, d].set(k[:, :, s]), v.at[:, :, d].set(v[:, :, s])
+
+  k, v = jax.vmap(row, in_axes=(1, 1, 0, 0), out_axes=(1, 1))(cache.k, cache.v, src, dst)
+  return KVCache(k=k, v=v)
 
 
 def init_cache(
@@ -351,7 +432,8 @@ def make_model(
 
   Returns:
     :class:`Model` with ``apply(params, tokens (B, T), positions (B, T), cache)
-    -> (logits (B, T, V) float32, cache)`` and ``init_cache(batch, max_len)``.
+    -> (logits (B, T, V) float32, cache)``, ``init_cache(batch, max_len)``, and the tree
+    functions :func:`llama_tree_apply` and :func:`copy_slots`.
   """
   _check_config(config)
   layer_ids = None if layers is None else tuple(int(i) for i in layers)
@@ -363,22 +445,27 @@ def make_model(
       layer_ids = None  # all layers: the same functions as the full model
   if name is None:
     name = "llama" if layer_ids is None else f"llama[{len(layer_ids)}/{config.n_layers} layers]"
-  apply, make_cache = _functions(config, layer_ids)
+  apply, make_cache, tree_apply = _functions(config, layer_ids)
   return Model(
-    params=params, apply=apply, init_cache=make_cache, vocab_size=config.vocab_size, name=name
+    params=params, apply=apply, init_cache=make_cache, vocab_size=config.vocab_size, name=name,
+    tree_apply=tree_apply, copy_slots=_copy_slots_jit,
   )
 
 
 @functools.cache
 def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
-  """``(apply, init_cache)`` for a config and layer subset, built once and then shared.
+  """``(apply, init_cache, tree_apply)`` for a config and layer subset, built once, then shared.
 
   Models of the same shape get the same function objects, so a loop that takes them as static
   (hashed) arguments compiles once for all of them.
   """
   n_run = config.n_layers if layers is None else len(layers)
   apply = jax.jit(functools.partial(llama_apply, config=config, layers=layers))
-  return apply, functools.partial(init_cache, config, n_layers=n_run)
+  tree_apply = jax.jit(functools.partial(llama_tree_apply, config=config, layers=layers))
+  return apply, functools.partial(init_cache, config, n_layers=n_run), tree_apply
+
+
+_copy_slots_jit = jax.jit(copy_slots)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,19 @@ Contract of ``apply(params, tokens, positions, cache) -> (logits, cache)``:
   arrays with static shapes.
 
 ``init_cache(batch, max_len) -> cache`` returns an empty cache.
+
+Two optional functions let a model verify a whole draft *tree* in one call
+(:func:`~specdec_jax.decoding.tree_speculative_generate`; SpecInfer's tree attention):
+
+* ``tree_apply(params, tokens (B, T), positions (B, T), cache, start (B,), nodes (T,),
+  tree_mask (T, N)) -> (logits, cache)``: a tree of ``N`` nodes occupies the slots
+  ``start .. start + N - 1`` of each row; token ``t`` is node ``nodes[t]``, written to
+  slot ``start + nodes[t]``, rotated/embedded at ``positions[b, t]``, and it attends to
+  every slot before ``start`` and to the tree slots ``start + j`` with ``tree_mask[t, j]``
+  (its ancestors and itself), nothing else.
+* ``copy_slots(cache, src (B, K), dst (B, K)) -> cache``: copy slot ``src[b, k]`` to
+  ``dst[b, k]`` (every read before any write; ``src == dst`` is a no-op). The loop moves
+  the accepted path from its tree slots to the slots of its positions with it.
 """
 
 from __future__ import annotations
@@ -38,6 +51,9 @@ class Model(NamedTuple):
     init_cache: ``init_cache(batch: int, max_len: int) -> cache``.
     vocab_size: ``V``.
     name: a label for tables and logs.
+    tree_apply: optional tree-attention forward (see the module docstring); needed by
+      :func:`~specdec_jax.decoding.tree_speculative_generate`.
+    copy_slots: optional ``copy_slots(cache, src, dst) -> cache``; needed with ``tree_apply``.
   """
 
   params: Any
@@ -45,3 +61,5 @@ class Model(NamedTuple):
   init_cache: Callable[[int, int], Any]
   vocab_size: int
   name: str = "model"
+  tree_apply: Callable[..., Any] | None = None
+  copy_slots: Callable[..., Any] | None = None

@@ -6,7 +6,8 @@ the tokens at ``t - 1`` and ``t`` (a trigram model, ``context=2``) or on the tok
 probability of any sequence can be enumerated exactly, while the cache behaves as a
 real one does: it stores the tokens by position, a call writes its tokens into their
 slots first and then reads slot ``t - 1``, and writing past the accepted length is
-rolled back just by moving the length.
+rolled back just by moving the length. Their ``tree_apply`` reads each tree node's
+parent slot instead of the previous slot, as tree attention does.
 """
 
 from __future__ import annotations
@@ -36,6 +37,36 @@ def _apply_bigram(params, tokens, positions, cache):
   rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
   cache = cache.at[rows, positions].set(tokens, mode="drop")
   return params["table"][tokens].astype(jnp.float32), cache
+
+
+def _tree_prev_slots(start, nodes, tree_mask):
+  """``(B, T)``: the slot of each tree token's parent (``start - 1`` for a node without one)."""
+  j = jnp.arange(tree_mask.shape[1], dtype=jnp.int32)
+  strict = jnp.asarray(tree_mask, bool) & (j[None, :] < nodes[:, None])  # strict ancestors
+  parent = jnp.max(jnp.where(strict, j[None, :], -1), axis=1)  # the deepest one is the parent
+  return start[:, None] + parent[None, :]
+
+
+def _tree_apply_trigram(params, tokens, positions, cache, start, nodes, tree_mask):
+  table = params["table"]
+  vocab = table.shape[-1]
+  rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
+  cache = cache.at[rows, start[:, None] + nodes[None, :]].set(tokens, mode="drop")
+  prev_slot = _tree_prev_slots(start, nodes, tree_mask)
+  prev = cache[rows, jnp.clip(prev_slot, 0, cache.shape[1] - 1)]
+  prev = jnp.where(positions >= 1, prev, vocab)
+  return table[prev, tokens].astype(jnp.float32), cache
+
+
+def _tree_apply_bigram(params, tokens, positions, cache, start, nodes, tree_mask):
+  del positions, tree_mask
+  rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
+  cache = cache.at[rows, start[:, None] + nodes[None, :]].set(tokens, mode="drop")
+  return params["table"][tokens].astype(jnp.float32), cache
+
+
+def _copy_slots(cache, src, dst):
+  return jax.vmap(lambda c, s, d: c.at[d].set(c[s]))(cache, src, dst)
 
 
 def make_toy_model(key: jax.Array, vocab_size: int, *, context: int = 2, scale: float = 2.0,
@@ -77,9 +108,10 @@ def make_toy_model(key: jax.Array, vocab_size: int, *, context: int = 2, scale: 
   shape = (vocab_size + 1, vocab_size, vocab_size) if context == 2 else (vocab_size, vocab_size)
   table = scale * jax.random.normal(key, shape, jnp.float32)
   apply = _apply_trigram if context == 2 else _apply_bigram
+  tree_apply = _tree_apply_trigram if context == 2 else _tree_apply_bigram
   label = name or ("trigram" if context == 2 else "bigram")
   return Model(params={"table": table}, apply=apply, init_cache=_init_cache,
-               vocab_size=vocab_size, name=label)
+               vocab_size=vocab_size, name=label, tree_apply=tree_apply, copy_slots=_copy_slots)
 
 
 __all__ = ("make_toy_model",)

@@ -1,0 +1,283 @@
+"""Tree drafts in the decoding loop: greedy agreement, sequence exactness, ragged rows, budgets.
+
+The toy models' ``tree_apply`` reads each node's parent slot (tree attention for an n-gram
+model), so their sequence distribution stays enumerable. Chi-square tests use fixed seeds and
+a family-wise ``ALPHA = 0.01`` over the two exactness tests of this module (Bonferroni); each
+negative control must be rejected at ``1e-6``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec_jax import SamplingParams
+from specdec_jax import tree_verify
+from specdec_jax.decoding import DraftTree
+from specdec_jax.decoding import generate
+from specdec_jax.decoding import tree_speculative_generate
+from specdec_jax.models.toy import make_toy_model
+from tests._helpers import chi_square_pvalue
+from tests._helpers import exact_sequence_probs
+from tests._helpers import sequence_index
+
+ALPHA = 0.01
+NUM_EXACT_TESTS = 2  # one per drafting law
+GREEDY = SamplingParams(temperature=0.0)
+V = 16
+TARGET = make_toy_model(jax.random.key(0), V, name="target")
+SMALL = make_toy_model(jax.random.key(1), V, context=1, name="small")
+NEAR = TARGET._replace(params={"table": TARGET.params["table"] + 1.5 * jax.random.normal(
+  jax.random.key(2), TARGET.params["table"].shape)}, name="near")
+PROMPTS = np.array([
+  [3, 7, 3, 7, 3, 7],
+  [5, 9, 9, 9, 9, 9],
+  [1, 2, 3, 1, 2, 9],
+  [8, 9, 9, 9, 9, 9],
+  [4, 4, 0, 9, 9, 9],
+], np.int32)
+PROMPT_LENGTHS = np.array([6, 1, 5, 1, 3], np.int32)
+MAX_NEW = 12
+TREES = {
+  "chain": DraftTree.from_branching((1, 1, 1)),
+  "wide": DraftTree.from_branching((4, 2)),
+  "eagle": DraftTree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0),
+                                 (0, 0, 0, 0)]),
+}
+
+
+@functools.cache
+def _plain_greedy():
+  return generate(TARGET, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), max_new_tokens=MAX_NEW,
+                  params=GREEDY)
+
+
+def _check_stats(out, tree: DraftTree, eos: bool = False):
+  s = jax.tree.map(np.asarray, out.stats)
+  np.testing.assert_array_equal(s.emitted, out.num_new)
+  assert s.accepted_at.shape == (len(PROMPTS), tree.depth)
+  np.testing.assert_array_equal(s.accepted, s.accepted_at.sum(-1))
+  assert (s.accepted_at <= s.proposed_at).all()
+  assert (np.diff(s.accepted_at, axis=-1) <= 0).all()
+  assert int(s.target_calls) == s.row_target_calls.max()
+  assert int(s.draft_calls) == 1 + tree.depth * (int(s.target_calls) - 1)
+  assert (s.proposals <= (tree.size - 1) * (s.row_target_calls - 1)).all()
+  if not eos:
+    np.testing.assert_array_equal(out.num_new, s.row_target_calls + s.accepted)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tree's shape.
+
+
+def test_draft_tree_shapes():
+  tree = DraftTree.from_branching((3, 2, 1))
+  assert tree.size == 1 + 3 + 6 + 6 and tree.depth == 3
+  assert tree.parents[:6] == (-1, 0, 0, 0, 1, 1) and tree.ranks[:6] == (0, 0, 1, 2, 0, 1)
+  depths = tree.depths()
+  assert (np.diff(depths) >= 0).all()  # breadth-first
+  mask = tree.ancestors()
+  for c in range(tree.size):
+    chain, node = {c}, c
+    while node > 0:
+      node = tree.parents[node]
+      chain.add(node)
+    assert set(np.flatnonzero(mask[c])) == chain
+  # Paths are sorted into breadth-first order; duplicates are merged.
+  paths = DraftTree.from_paths([(0, 0), (1,), (0,), (0,)])
+  assert paths == DraftTree((-1, 0, 0, 1), (0, 0, 1, 0))
+  with pytest.raises(ValueError, match="prefix"):
+    DraftTree.from_paths([(0, 0)])
+  with pytest.raises(ValueError, match="sibling"):
+    DraftTree.from_paths([(0,), (2,)])
+  with pytest.raises(ValueError, match=">= 1"):
+    DraftTree.from_branching((2, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy: the tree loop emits plain greedy decoding, token for token.
+
+
+@pytest.mark.parametrize("law", ["deterministic", "iid"])
+@pytest.mark.parametrize("tree_name", sorted(TREES))
+def test_greedy_tree_equals_plain(tree_name, law):
+  tree = TREES[tree_name]
+  plain = _plain_greedy()
+  accepted = 0
+  for draft in (NEAR, SMALL):
+    out = tree_speculative_generate(TARGET, draft, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
+                                    tree=tree, max_new_tokens=MAX_NEW, params=GREEDY, law=law)
+    np.testing.assert_array_equal(out.tokens, plain.tokens, err_msg=f"{draft.name}, {law}")
+    np.testing.assert_array_equal(out.error, 0)
+    _check_stats(out, tree)
+    accepted += int(out.stats.accepted.sum())
+  assert accepted > 0
+
+
+def test_draft_equal_to_target_accepts_the_deepest_path():
+  """With the target as its own draft, the top-1 path is always accepted to full depth."""
+  tree = TREES["eagle"]  # depth 4
+  out = tree_speculative_generate(TARGET, TARGET, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
+                                  tree=tree, max_new_tokens=MAX_NEW, params=GREEDY)
+  np.testing.assert_array_equal(out.tokens, _plain_greedy().tokens)
+  # 1 token from the prefill, then 11 in steps of 5, 5, 1 (the last one cut to the budget).
+  np.testing.assert_array_equal(out.stats.row_target_calls, 4)
+  np.testing.assert_array_equal(out.stats.accepted, 4 + 4)
+  np.testing.assert_array_equal(out.stats.proposals, 8 + 8 + 0)
+  _check_stats(out, tree)
+
+
+def test_tree_beats_chain_in_tokens_per_call():
+  """A wider tree of the same depth accepts more per target call on the perturbed draft."""
+  common = dict(max_new_tokens=24, params=SamplingParams(1.0))
+  keys = jax.random.split(jax.random.key(3), 64)
+  prompts = np.tile(PROMPTS[:1], (64, 1))
+  lengths = np.full(64, 6, np.int32)
+  per_call = {}
+  for name, tree in (("chain", DraftTree.from_branching((1, 1))),
+                     ("tree", DraftTree.from_branching((4, 4)))):
+    out = tree_speculative_generate(TARGET, NEAR, prompts, lengths, keys, tree=tree, **common)
+    per_call[name] = float(np.sum(out.num_new) / np.sum(out.stats.row_target_calls))
+  assert per_call["tree"] > per_call["chain"] + 0.1, per_call
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling exactness: whole sequences against exact enumeration.
+
+EXACT_V = 4
+EXACT_NEW = 4
+EXACT_RUNS = 40_000
+EXACT_PARAMS = SamplingParams(0.8, top_k=3)
+EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
+EXACT_DRAFT = make_toy_model(jax.random.key(11), EXACT_V, context=1, scale=1.5,
+                             name="exact_draft")
+EXACT_PROMPT = np.array([0, 1, 2, 0, 1], np.int32)
+EXACT_TREES = {"deterministic": DraftTree.from_branching((3, 2)),
+               "iid": DraftTree.from_branching((2, 2))}
+
+
+@functools.cache
+def _exact_probs() -> np.ndarray:
+  return exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS)
+
+
+def _sample(law: str, seed: int, rule_law: str | None = None):
+  tree = EXACT_TREES[law]
+  verifier = None
+  if rule_law is not None:
+    verifier = functools.partial(tree_verify, law=rule_law, max_depth=tree.depth)
+  prompt = np.tile(EXACT_PROMPT, (EXACT_RUNS, 1))
+  lengths = np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32)
+  out = tree_speculative_generate(EXACT_TARGET, EXACT_DRAFT, prompt, lengths,
+                                  jax.random.key(seed), tree=tree, max_new_tokens=EXACT_NEW,
+                                  params=EXACT_PARAMS, law=law, tree_verifier=verifier)
+  np.testing.assert_array_equal(out.num_new, EXACT_NEW)
+  counts = np.bincount(sequence_index(np.asarray(out.tokens)[:, len(EXACT_PROMPT):], EXACT_V),
+                       minlength=EXACT_V**EXACT_NEW)
+  return counts, out
+
+
+@pytest.mark.parametrize("law", ["deterministic", "iid"])
+def test_sampled_sequences_follow_target(law):
+  probs = _exact_probs()
+  assert (probs == 0).sum() > 0  # top-k removed some sequences
+  counts, out = _sample(law, seed=400 + len(law))
+  np.testing.assert_array_equal(out.error, 0)
+  stats = jax.tree.map(np.asarray, out.stats)
+  # Rejections, acceptances at both depths, and acceptance of a non-first sibling all happen.
+  assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
+  pvalue, detail = chi_square_pvalue(counts, probs)
+  assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{law}: chi-square p = {pvalue:.3g}; {detail}"
+
+
+@pytest.mark.parametrize(("law", "rule_law"),
+                         [("deterministic", "iid"), ("iid", "without_replacement")])
+def test_wrong_law_is_detected(law, rule_law):
+  """Negative controls: top-k children verified with the draft's q as their law (the mistake
+  the tree issue warns about), and i.i.d. children verified as if drawn without replacement.
+
+  (Verifying sampled children with the point-mass rule is *not* a mistake: that rule is exact
+  for any proposal chosen independently of the verification's uniforms, only less efficient.)
+  """
+  counts, _ = _sample(law, seed=500 + len(law), rule_law=rule_law)
+  pvalue, detail = chi_square_pvalue(counts, _exact_probs())
+  assert pvalue < 1e-6, f"{law} drafted, {rule_law} rule: undetected (p = {pvalue:.3g}); {detail}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Ragged batches, stops and budgets.
+
+
+def test_ragged_rows_are_independent():
+  keys = jax.random.split(jax.random.key(7), len(PROMPTS))
+  run = functools.partial(tree_speculative_generate, TARGET, NEAR, tree=TREES["eagle"],
+                          max_new_tokens=MAX_NEW, params=SamplingParams(0.9))
+  batch = run(PROMPTS, PROMPT_LENGTHS, keys)
+  assert len(set(np.asarray(batch.stats.accepted).tolist())) > 1, "the batch was not ragged"
+  _check_stats(batch, TREES["eagle"])
+  flipped = run(PROMPTS[::-1].copy(), PROMPT_LENGTHS[::-1].copy(), keys[::-1])
+  np.testing.assert_array_equal(np.asarray(flipped.tokens)[::-1], batch.tokens)
+  for b in (0, 3):
+    alone = run(PROMPTS[b : b + 1], PROMPT_LENGTHS[b : b + 1], keys[b : b + 1])
+    np.testing.assert_array_equal(alone.tokens[0], batch.tokens[b], err_msg=f"row {b}")
+
+
+def test_eos_and_small_buffers():
+  plain = generate(TARGET, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), max_new_tokens=MAX_NEW,
+                   params=GREEDY, eos_id=9)
+  out = tree_speculative_generate(TARGET, NEAR, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
+                                  tree=TREES["wide"], max_new_tokens=MAX_NEW, params=GREEDY,
+                                  eos_id=9)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_array_equal(out.lengths, plain.lengths)
+  assert (np.asarray(out.num_new) < MAX_NEW).any()  # some rows stopped at the eos
+  _check_stats(out, TREES["wide"], eos=True)
+  # A buffer of 7: the rows get 1, 2, 4 and 6 new tokens, budgets below the tree's depth.
+  small = dict(max_new_tokens=MAX_NEW, params=GREEDY, max_len=7)
+  ref = generate(TARGET, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), **small)
+  out = tree_speculative_generate(TARGET, NEAR, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
+                                  tree=TREES["eagle"], **small)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.num_new, np.minimum(PROMPT_LENGTHS + MAX_NEW, 7)
+                                - PROMPT_LENGTHS)
+  _check_stats(out, TREES["eagle"])
+
+
+def test_bad_arguments():
+  args = (PROMPTS, PROMPT_LENGTHS, jax.random.key(0))
+  tree = TREES["wide"]
+  plain_model = TARGET._replace(tree_apply=None, copy_slots=None, name="no-tree")
+  with pytest.raises(ValueError, match="`draft` must provide `tree_apply`"):
+    tree_speculative_generate(TARGET, plain_model, *args, tree=tree, max_new_tokens=4)
+  with pytest.raises(ValueError, match="law"):
+    tree_speculative_generate(TARGET, NEAR, *args, tree=tree, max_new_tokens=4, law="greedy")
+  with pytest.raises(ValueError, match="breadth-first"):
+    tree_speculative_generate(TARGET, NEAR, *args, tree=DraftTree((-1, 0, 1, 0), (0, 0, 0, 1)),
+                              max_new_tokens=4)
+  with pytest.raises(ValueError, match="ranks"):
+    tree_speculative_generate(TARGET, NEAR, *args, tree=DraftTree((-1, 0, 0), (0, 1, 0)),
+                              max_new_tokens=4)
+  with pytest.raises(ValueError, match="at least one node"):
+    tree_speculative_generate(TARGET, NEAR, *args, tree=DraftTree((-1,), (0,)), max_new_tokens=4)
+  with pytest.raises(TypeError, match="DraftTree"):
+    tree_speculative_generate(TARGET, NEAR, *args, tree=(2, 2), max_new_tokens=4)
+  with pytest.raises(ValueError, match="vocabulary"):
+    tree_speculative_generate(TARGET, make_toy_model(jax.random.key(0), V + 1), *args, tree=tree,
+                              max_new_tokens=4)
+
+
+def test_jit_cache_is_reused():
+  """Same static arguments, new traced values: no recompilation of the loop."""
+  from specdec_jax import decoding
+
+  run = functools.partial(tree_speculative_generate, TARGET, NEAR, tree=TREES["wide"],
+                          max_new_tokens=MAX_NEW)
+  run(PROMPTS, PROMPT_LENGTHS, jax.random.key(0), params=SamplingParams(0.5))
+  size = decoding._tree_jit._cache_size()
+  run(PROMPTS[::-1].copy(), PROMPT_LENGTHS, jax.random.key(1),
+      params=SamplingParams(jnp.linspace(0, 1, len(PROMPTS))), eos_id=3)
+  assert decoding._tree_jit._cache_size() == size
