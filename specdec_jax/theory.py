@@ -10,7 +10,7 @@ call relative to a target call (Theorem 3.8), and the optimal ``gamma`` (Section
 Table 1). With acceptance that differs by position, ``alpha_i`` being the probability
 that position ``i`` is accepted given that every earlier one was, the expected number
 of tokens is ``1 + sum_i prod_{j <= i} alpha_j``. The decoding loop's statistics
-(:class:`specdec_jax.decoding.SpecStats`) give the measured ``alpha_i`` to feed these.
+(:class:`specdec_jax.decoding.DecodeStats`) give the measured ``alpha_i`` to feed these.
 
 Every function is pure ``jax.numpy`` and accepts arrays (batched by broadcasting).
 """
