@@ -185,7 +185,7 @@ class _GenerateState(NamedTuple):
 
 
 class _SpecState(NamedTuple):
-  """Loop state of :func:`speculative_generate`.
+  """Loop state of :func:`speculative_generate` and :func:`tree_speculative_generate`.
 
   Attributes:
     tokens: int32 ``(B, max_len)`` token buffer.
@@ -198,8 +198,8 @@ class _SpecState(NamedTuple):
     row_calls: int32 ``(B,)``.
     proposals: int32 ``(B,)``.
     accepted: int32 ``(B,)``.
-    proposed_at: int32 ``(B, gamma)``.
-    accepted_at: int32 ``(B, gamma)``.
+    proposed_at: int32 ``(B, gamma)`` (``(B, depth)`` for a tree).
+    accepted_at: int32 ``(B, gamma)`` (``(B, depth)`` for a tree).
     error: int32 ``(B,)``.
   """
 
@@ -951,24 +951,6 @@ def _tree_candidates(logits, key, params, width: int, law: str):
   return jax.vmap(sample_index, in_axes=(None, 0))(q, u), q
 
 
-class _TreeState(NamedTuple):
-  """Loop state of :func:`tree_speculative_generate` (fields as in :class:`_SpecState`)."""
-
-  tokens: jax.Array
-  lengths: jax.Array
-  done: jax.Array
-  target_cache: Any
-  draft_cache: Any
-  target_calls: jax.Array
-  draft_calls: jax.Array
-  row_calls: jax.Array
-  proposals: jax.Array
-  accepted: jax.Array
-  proposed_at: jax.Array
-  accepted_at: jax.Array
-  error: jax.Array
-
-
 def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, params, eos_id, *,
                target: _Fns, draft: _Fns, tree: DraftTree, law: str, tree_verifier,
                max_new_tokens: int, max_len: int, pad_id: int):
@@ -993,7 +975,7 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
   zero = jnp.int32(0)
   counts = jnp.zeros((batch,), jnp.int32)
   at = jnp.zeros((batch, depth), jnp.int32)
-  state = _TreeState(tokens, lengths, done, target_cache, draft_cache, zero + 1, zero + 1,
+  state = _SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, zero + 1,
                      (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at,
                      counts)
   slots = jnp.arange(depth, dtype=jnp.int32)
@@ -1001,10 +983,10 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
   candidates = jax.vmap(jax.vmap(_tree_candidates, in_axes=(0, 0, None, None, None)),
                         in_axes=(0, 0, 0, None, None))
 
-  def cond(s: _TreeState):
+  def cond(s: _SpecState):
     return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
 
-  def body(s: _TreeState):
+  def body(s: _SpecState):
     active = ~s.done
     root = s.lengths - 1  # slot and position of node 0
     budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, depth), 0)
@@ -1055,7 +1037,7 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
     target_cache = target.copy_slots(target_cache, src, dst)
     draft_cache = draft.copy_slots(draft_cache, src, dst)
     live = active.astype(jnp.int32)
-    return _TreeState(
+    return _SpecState(
       tokens=tokens,
       lengths=lengths,
       done=done,
