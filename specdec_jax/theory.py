@@ -6,8 +6,8 @@ via Speculative Decoding" (ICML 2023, arXiv:2211.17192): the acceptance rate
 number of tokens per step ``(1 - alpha^(gamma+1)) / (1 - alpha)`` under the i.i.d.
 assumption (Equation 1), the expected wall-time improvement factor
 ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))`` with ``c`` the cost of a draft
-call relative to a target call (Theorem 3.8), and the optimal ``gamma`` (Section 3.5,
-Table 1). With acceptance that differs by position, ``alpha_i`` being the probability
+call relative to a target call (Theorem 3.8), and the optimal ``gamma`` (Section 3.5).
+With acceptance that differs by position, ``alpha_i`` being the probability
 that position ``i`` is accepted given that every earlier one was, the expected number
 of tokens is ``1 + sum_i prod_{j <= i} alpha_j``. The decoding loop's statistics
 (:class:`specdec_jax.decoding.DecodeStats`) give the measured ``alpha_i`` to feed these.
@@ -146,7 +146,7 @@ def optimal_gamma(alpha: float, cost_ratio: float, max_gamma: int = 64) -> int:
     8
 
   Reference:
-    Leviathan et al. 2023, Section 3.5 and Table 1.
+    Leviathan et al. 2023, Section 3.5 (choosing gamma).
   """
   gammas = np.arange(1, max_gamma + 1)
   factors = np.asarray(improvement_factor(alpha, gammas, cost_ratio))
