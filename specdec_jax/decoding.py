@@ -963,6 +963,7 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
   depths = tree.depths()
   mask = jnp.asarray(tree.ancestors())
   width = max(1, int(ranks.max()) + 1)  # candidates drafted per node
+  need_q = law != "deterministic" or tree_verifier is not _default_tree_verifier(law, depth)
   levels = [np.flatnonzero(depths == d).astype(np.int32) for d in range(depth + 1)]
   # Nodes of depth <= d are a prefix (breadth-first order): num_nodes for a depth budget d.
   level_end = jnp.asarray([int((depths <= d).sum()) for d in range(depth + 1)], jnp.int32)
@@ -997,13 +998,14 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
     # Draft the tree level by level: a T = 2 sync call gives the root's candidates, then
     # one tree-attention call per level gives the candidates after each of its nodes.
     node_tokens = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(s.tokens[rows, root])
-    q = jnp.zeros((batch, size, vocab), jnp.float32)
+    # The point-mass rule never reads q: then no draft distribution is materialised.
+    q = jnp.zeros((batch, size, vocab), jnp.float32) if need_q else None
     sync = jnp.clip(jnp.stack([jnp.maximum(root - 1, 0), root], axis=1), 0, cache_len - 1)
     logits, draft_cache = draft.apply(draft_params, _ids(s.tokens[rows[:, None], sync], vocab),
                                       sync, s.draft_cache)
     ids, q_root = candidates(logits[:, -1:], node_keys[:, :1], params, width, law)
     cands = jnp.zeros((batch, size, width), jnp.int32).at[:, :1].set(ids)
-    q = q.at[:, :1].set(q_root)
+    q = q.at[:, :1].set(q_root) if need_q else None
     for d in range(1, depth + 1):
       level = levels[d]
       node_tokens = node_tokens.at[:, level].set(cands[:, parents[level], ranks[level]])
@@ -1014,7 +1016,7 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
           draft_cache, root, jnp.asarray(level), mask[level])
         ids, q_level = candidates(logits, node_keys[:, level], params, width, law)
         cands = cands.at[:, level].set(ids)
-        q = q.at[:, level].set(q_level)
+        q = q.at[:, level].set(q_level) if need_q else None
 
     # One target call scores every node with tree attention.
     positions = jnp.clip(root[:, None] + jnp.asarray(depths)[None], 0, cache_len - 1)
@@ -1024,7 +1026,7 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
     uniforms = jax.vmap(lambda k: _uniform(jax.random.fold_in(k, 0), (size,)))(step_keys)
     tree_parents = jnp.asarray(parents)
     result = jax.vmap(lambda p, q, t, u, n: tree_verifier(p, q, tree_parents, t, u, num_nodes=n))(
-      p, q, node_tokens, uniforms, num_nodes)
+      p, p if q is None else q, node_tokens, uniforms, num_nodes)
 
     counts = jnp.where(active, result.num_tokens, 0)
     tokens, lengths, done, _ = _advance(s.tokens, s.lengths, s.done, result.tokens, counts,
