@@ -424,6 +424,42 @@ def _stats(target_calls, draft_calls, row_calls, proposals, accepted, proposed_a
                      accepted_at, num_new, per_call)
 
 
+def _after_verify(s: _SpecState, result, common: _Common, *, active, target_cache, draft_cache,
+                  draft_calls, proposals, depth) -> _SpecState:
+  """The loop state after one verification (chain or tree) of every row.
+
+  Appends each active row's emitted tokens (cut at eos / budget) and updates the
+  counters: ``proposals`` (B,) draft tokens verified, ``depth`` (B,) how many draft
+  positions (chain) or depths (tree) could be accepted this iteration.
+  """
+  counts = jnp.where(active, result.num_tokens, 0)
+  tokens, lengths, done, _ = _advance(s.tokens, s.lengths, s.done, result.tokens, counts, common)
+  accepted = jnp.where(active, result.num_accepted, 0)
+  at = jnp.arange(s.proposed_at.shape[1], dtype=jnp.int32)[None]
+  return _SpecState(
+    tokens=tokens,
+    lengths=lengths,
+    done=done,
+    target_cache=target_cache,
+    draft_cache=draft_cache,
+    target_calls=s.target_calls + 1,
+    draft_calls=draft_calls,
+    row_calls=s.row_calls + active.astype(jnp.int32),
+    proposals=s.proposals + proposals,
+    accepted=s.accepted + accepted,
+    proposed_at=s.proposed_at + (at < depth[:, None]).astype(jnp.int32),
+    accepted_at=s.accepted_at + (at < accepted[:, None]).astype(jnp.int32),
+    error=s.error | jnp.where(active, result.error, 0),
+  )
+
+
+def _speculative_result(s: _SpecState, prompt_lengths) -> SpeculativeResult:
+  num_new = s.lengths - prompt_lengths
+  stats = _stats(s.target_calls, s.draft_calls, s.row_calls, s.proposals, s.accepted,
+                 s.proposed_at, s.accepted_at, num_new)
+  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, s.error)
+
+
 # ---------------------------------------------------------------------------------------------
 # Plain autoregressive decoding.
 
@@ -657,32 +693,11 @@ def _speculative_impl(target_params, draft_params, prompt, prompt_lengths, row_k
     uniforms = jax.vmap(lambda k: _uniform(jax.random.fold_in(k, gamma), (gamma + 1,)))(step_keys)
     result = jax.vmap(verifier)(p, q, draft_tokens, uniforms, num_draft=num_draft)
 
-    counts = jnp.where(active, result.num_tokens, 0)
-    tokens, lengths, done, _ = _advance(s.tokens, s.lengths, s.done, result.tokens, counts,
-                                        common)
-    accepted = jnp.where(active, result.num_accepted, 0)
-    live = active.astype(jnp.int32)
-    return _SpecState(
-      tokens=tokens,
-      lengths=lengths,
-      done=done,
-      target_cache=target_cache,
-      draft_cache=draft_cache,
-      target_calls=s.target_calls + 1,
-      draft_calls=draft_calls,
-      row_calls=s.row_calls + live,
-      proposals=s.proposals + num_draft,
-      accepted=s.accepted + accepted,
-      proposed_at=s.proposed_at + (slots[None, :gamma] < num_draft[:, None]).astype(jnp.int32),
-      accepted_at=s.accepted_at + (slots[None, :gamma] < accepted[:, None]).astype(jnp.int32),
-      error=s.error | jnp.where(active, result.error, 0),
-    )
+    return _after_verify(s, result, common, active=active, target_cache=target_cache,
+                         draft_cache=draft_cache, draft_calls=draft_calls, proposals=num_draft,
+                         depth=num_draft)
 
-  s = lax.while_loop(cond, body, state)
-  num_new = s.lengths - prompt_lengths
-  stats = _stats(s.target_calls, s.draft_calls, s.row_calls, s.proposals, s.accepted,
-                 s.proposed_at, s.accepted_at, num_new)
-  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, s.error)
+  return _speculative_result(lax.while_loop(cond, body, state), prompt_lengths)
 
 
 _speculative_jit = jax.jit(
@@ -1028,9 +1043,6 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
     result = jax.vmap(lambda p, q, t, u, n: tree_verifier(p, q, tree_parents, t, u, num_nodes=n))(
       p, p if q is None else q, node_tokens, uniforms, num_nodes)
 
-    counts = jnp.where(active, result.num_tokens, 0)
-    tokens, lengths, done, _ = _advance(s.tokens, s.lengths, s.done, result.tokens, counts,
-                                        common)
     accepted = jnp.where(active, result.num_accepted, 0)
     # Move the accepted path from its tree slots to the slots of its positions.
     dst = jnp.clip(root[:, None] + 1 + slots[None], 0, cache_len - 1)
@@ -1038,28 +1050,11 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
     src = jnp.clip(src, 0, cache_len - 1)
     target_cache = target.copy_slots(target_cache, src, dst)
     draft_cache = draft.copy_slots(draft_cache, src, dst)
-    live = active.astype(jnp.int32)
-    return _SpecState(
-      tokens=tokens,
-      lengths=lengths,
-      done=done,
-      target_cache=target_cache,
-      draft_cache=draft_cache,
-      target_calls=s.target_calls + 1,
-      draft_calls=s.draft_calls + depth,
-      row_calls=s.row_calls + live,
-      proposals=s.proposals + jnp.where(active, num_nodes - 1, 0),
-      accepted=s.accepted + accepted,
-      proposed_at=s.proposed_at + (slots[None] < budget[:, None]).astype(jnp.int32),
-      accepted_at=s.accepted_at + (slots[None] < accepted[:, None]).astype(jnp.int32),
-      error=s.error | jnp.where(active, result.error, 0),
-    )
+    return _after_verify(s, result, common, active=active, target_cache=target_cache,
+                         draft_cache=draft_cache, draft_calls=s.draft_calls + depth,
+                         proposals=jnp.where(active, num_nodes - 1, 0), depth=budget)
 
-  s = lax.while_loop(cond, body, state)
-  num_new = s.lengths - prompt_lengths
-  stats = _stats(s.target_calls, s.draft_calls, s.row_calls, s.proposals, s.accepted,
-                 s.proposed_at, s.accepted_at, num_new)
-  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, s.error)
+  return _speculative_result(lax.while_loop(cond, body, state), prompt_lengths)
 
 
 _tree_jit = jax.jit(
