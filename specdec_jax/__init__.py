@@ -12,15 +12,15 @@ from specdec_jax._adapter import sample
 from specdec_jax._adapter import speculative_step
 from specdec_jax._block import block_verify
 from specdec_jax._block import block_verify_with_key
+from specdec_jax._errors import ErrorCode
+from specdec_jax._errors import describe_error
 from specdec_jax._logits import DraftSample
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import process_logits
 from specdec_jax._logits import sample_draft
 from specdec_jax._logits import verify_logits
 from specdec_jax._logits import verify_logits_with_key
-from specdec_jax._rule import ErrorCode
 from specdec_jax._rule import accepts
-from specdec_jax._rule import describe_error
 from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
 from specdec_jax._sharding import vocab_parallel_verify

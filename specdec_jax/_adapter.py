@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax._checks import FLOAT
+from specdec_jax._checks import check_host_dtype
+from specdec_jax._errors import row_tolerance
 from specdec_jax._rule import accepts
-from specdec_jax._rule import row_tolerance
 from specdec_jax._sampling import sample_index
 from specdec_jax._verify import compute_dtype
 from specdec_jax._verify import verify
@@ -74,12 +76,15 @@ def _x64_if(dtype) -> contextlib.AbstractContextManager:
   return contextlib.nullcontext()
 
 
-def _as_probabilities(name: str, value, rank: int, func: str) -> np.ndarray:
-  """Convert and check an array of probabilities on the host."""
+def _as_probabilities(name: str, value, rank: int | None, func: str) -> np.ndarray:
+  """Convert and check an array of probabilities on the host (``rank=None``: any rank)."""
   try:
     array = np.asarray(value)
-  except Exception as err:  # e.g. ragged nested lists
-    raise TypeError(f"{func}: `{name}` must be an array of probabilities: {err}") from None
+  except (ValueError, TypeError):  # ragged nested lists
+    raise ValueError(
+      f"{func}: `{name}` must be a rectangular array of probabilities (rows of equal length), "
+      f"got a ragged {type(value).__name__} instead."
+    ) from None
   if array.dtype == bool or jnp.issubdtype(array.dtype, jnp.integer):
     array = array.astype(np.float64)
   if not jnp.issubdtype(array.dtype, jnp.floating):
@@ -87,7 +92,8 @@ def _as_probabilities(name: str, value, rank: int, func: str) -> np.ndarray:
       f"{func}: `{name}` must hold real floating-point probabilities, got dtype {array.dtype} "
       "instead."
     )
-  if array.ndim != rank:
+  check_host_dtype(func, name, array, FLOAT)  # float128: JAX cannot hold it
+  if rank is not None and array.ndim != rank:
     raise ValueError(
       f"{func}: `{name}` must have rank {rank}, got shape {array.shape} instead."
       + (" For a batch, call jax.vmap(verify) on arrays." if array.ndim > rank else "")
@@ -190,8 +196,11 @@ def sample(probs, rng) -> int:
 def _check_draft(draft, gamma_hint: int | None, vocab: int, func: str) -> np.ndarray:
   try:
     array = np.asarray(draft)
-  except Exception as err:
-    raise TypeError(f"{func}: `draft` must be a 1-D array of token ids: {err}") from None
+  except (ValueError, TypeError):
+    raise ValueError(
+      f"{func}: `draft` must be a 1-D array of token ids, got a ragged {type(draft).__name__} "
+      "instead."
+    ) from None
   if array.size == 0:
     array = array.astype(np.int32)
   if not jnp.issubdtype(array.dtype, jnp.integer):
@@ -261,9 +270,10 @@ def speculative_step(p, q, draft, rng) -> list[int]:
   _check_rng(rng, func)
   p_arr = _as_probabilities("p", p, 2, func)
   vocab = p_arr.shape[1]
-  if np.size(q) == 0 and np.ndim(q) == 1:  # gamma = 0 written as `q=[]`
-    q = np.zeros((0, vocab), dtype=p_arr.dtype)
-  q_arr = _as_probabilities("q", q, 2, func)
+  q_arr = _as_probabilities("q", q, None, func)
+  if q_arr.size == 0 and q_arr.ndim == 1:  # gamma = 0 written as `q=[]`
+    q_arr = np.zeros((0, vocab), dtype=p_arr.dtype)
+  q_arr = _as_probabilities("q", q_arr, 2, func)
   if vocab < 1:
     raise ValueError(f"{func}: `p` must have V >= 1 columns, got shape {p_arr.shape} instead.")
   draft_arr = _check_draft(draft, None, vocab, func)

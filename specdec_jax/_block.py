@@ -22,23 +22,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specdec_jax._rows import _explicitly_sharded_batch
-from specdec_jax._rule import ErrorCode
+from specdec_jax._checks import INT
+from specdec_jax._checks import check_chain
+from specdec_jax._checks import check_scalar
+from specdec_jax._checks import public_jit
+from specdec_jax._errors import stop_row_error
+from specdec_jax._rows import explicitly_sharded_batch
 from specdec_jax._sampling import BLOCK
-from specdec_jax._sampling import _sanitize
 from specdec_jax._sampling import block_masses
 from specdec_jax._sampling import block_start
 from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import pick_block
 from specdec_jax._sampling import pick_in_block
+from specdec_jax._sampling import sanitize
+from specdec_jax._verify import CHAIN_ARRAYS
 from specdec_jax._verify import VerifyResult
-from specdec_jax._verify import _check_shapes
-from specdec_jax._verify import _flag
-from specdec_jax._verify import _or_reduce
-from specdec_jax._verify import _stop_row_error
-from specdec_jax._verify import _value_codes
-from specdec_jax._verify import check_num_draft
+from specdec_jax._verify import assemble
 from specdec_jax._verify import compute_dtype
+from specdec_jax._verify import gather_draft_probs
+from specdec_jax._verify import key_uniforms
 from specdec_jax._verify import prepare
 
 
@@ -118,7 +120,7 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
     den = z + (1 - row_b)
     h = jnp.where(den > 0, z / jnp.where(den > 0, den, 1), 1)
     done = (i == 0) | (etas[i] < h)
-    err = err | _stop_row_error(masses, jnp.sum(p_masses), q_sum, jnp.asarray(True), tol, None)
+    err = err | stop_row_error(masses, jnp.sum(p_masses), q_sum, jnp.asarray(True), tol, None)
     return (jnp.where(done, i, below[jnp.maximum(i - 1, 0)]), done, masses, p_masses, z, err)
 
   start = (below[jnp.maximum(limit - 1, 0)], keep_all, zeros, zeros, jnp.zeros((), dtype),
@@ -133,7 +135,7 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
     row = read_p(limit, 0, vocab).astype(dtype)
     poisoned = jnp.where(row < 0, -jnp.inf, row)
     m = block_masses(poisoned, block)
-    return m, m, jnp.sum(_clean(m)), _stop_row_error(m, jnp.sum(m), jnp.zeros((), dtype),
+    return m, m, jnp.sum(_clean(m)), stop_row_error(m, jnp.sum(m), jnp.zeros((), dtype),
                                                      jnp.asarray(False), tol, None)
 
   masses, p_masses, z, bonus_err = lax.cond(keep_all, bonus,
@@ -153,7 +155,7 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
     values = jnp.where(use_residual, jnp.maximum(b_tau * p_part - q_part, 0), p_part)
   else:
     values = p_part
-  token = first + pick_in_block(mask_block(_sanitize(values), lo, first), rest)
+  token = first + pick_in_block(mask_block(sanitize(values), lo, first), rest)
   return tau.astype(jnp.int32), token.astype(jnp.int32), err
 
 
@@ -194,7 +196,7 @@ def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol):
     args = (p, q, log_b, uniforms, limit)
     axes = tuple(0 if flag else None for flag in in_batched)
     out_batched = (True, True, True)
-    if any(flag and _explicitly_sharded_batch(a) for a, flag in zip(args, in_batched,
+    if any(flag and explicitly_sharded_batch(a) for a, flag in zip(args, in_batched,
                                                                        strict=True)):
       return jax.vmap(single, in_axes=axes)(*args), out_batched
     p_b, q_b, lb_b, u_b, lim_b = in_batched
@@ -222,46 +224,23 @@ def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol):
   return batched_single(p, q, log_b, uniforms, limit)
 
 
-def _block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
-  gamma, vocab = _check_shapes(p, q, draft, uniforms, name="block_verify")
-  check_num_draft(num_draft, gamma, name="block_verify")
-  tol, dtype, uniforms, limit, bad_limit, in_range, safe_draft, positions = prepare(
-    p, q, draft, uniforms, num_draft, vocab)
-  p_x = p[positions, safe_draft].astype(dtype)
-  q_x = q[positions, safe_draft].astype(dtype)
+def block_verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int,
+                      vocab: int) -> VerifyResult:
+  """The block rule on one sequence: the body of :func:`block_verify`."""
+  prep = prepare(p, q, draft, uniforms, num_draft, vocab)
+  p_x, q_x = gather_draft_probs(p, q, prep)
   # An out-of-range id is never kept: it counts as p(x) = 0 (flagged below).
-  log_b = log_block_weights(jnp.where(in_range, p_x, 0), q_x)
-
-  tau, token, row_err = _stop_rule(p, q, log_b, uniforms, limit, dtype=dtype, tol=tol)
-
-  slots = jnp.arange(gamma + 1, dtype=jnp.int32)
-  kept = jnp.take(safe_draft, jnp.minimum(slots, gamma - 1)) if gamma else slots
-  tokens = jnp.where(slots < tau, kept, jnp.int32(pad_id))
-  tokens = jnp.where(slots == tau, token, tokens)
-
-  read = positions < limit  # every b_i up to b_n is computed
-  position_codes = jnp.where(
-    read,
-    _flag(~in_range, ErrorCode.DRAFT_OUT_OF_RANGE) | _value_codes(p_x, tol)
-    | _value_codes(q_x, tol),
-    0,
-  )
-  u_codes = _flag((slots <= limit) & ~((uniforms >= 0) & (uniforms < 1)),
-                  ErrorCode.UNIFORM_OUT_OF_RANGE)
-  error = (_or_reduce(jnp.concatenate([position_codes, u_codes]))
-           | _flag(bad_limit, ErrorCode.BAD_NUM_DRAFT) | row_err)
-  return VerifyResult(
-    tokens=tokens,
-    num_tokens=tau + 1,
-    num_accepted=tau,
-    num_uniforms=limit + 1,
-    valid=error == 0,
-    error=error,
-  )
+  log_b = log_block_weights(jnp.where(prep.in_range, p_x, 0), q_x)
+  tau, token, row_err = _stop_rule(p, q, log_b, prep.uniforms, prep.limit, dtype=prep.dtype,
+                                   tol=prep.tol)
+  # Every b_i up to b_n is computed, so every position < n was read.
+  return assemble(prep, p_x, q_x, num_accepted=tau, token=token, num_uniforms=prep.limit + 1,
+                  tested=prep.positions < prep.limit, row_error=row_err, pad_id=pad_id)
 
 
-block_verify = jax.jit(_block_verify, static_argnames=("pad_id",))
-block_verify.__doc__ = """Block verification of one draft sequence (pure, jitted): exact, longer.
+@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id",))
+def block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
+  """Block verification of one draft sequence (pure, jitted): exact, longer.
 
   Same signature and result as :func:`specdec_jax.verify`, so it plugs into
   ``speculative_generate(..., verifier=block_verify)`` (or ``verifier="block"``). With
@@ -313,18 +292,15 @@ block_verify.__doc__ = """Block verification of one draft sequence (pure, jitted
     Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh, "Block Verification
     Accelerates Speculative Decoding", ICLR 2025, arXiv:2403.10444, Algorithm 2.
   """
+  _, vocab = check_chain("block_verify", p, q, draft, uniforms)
+  check_scalar("block_verify", "num_draft", num_draft, INT)
+  return block_verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
 
 
-def _block_verify_with_key(key, p, q, draft, *, num_draft=None, pad_id: int = -1):
-  gamma, _ = _check_shapes(p, q, draft, jnp.zeros(draft.shape[0] + 1, p.dtype),
-                           name="block_verify_with_key")
-  dtype = compute_dtype(p.dtype, q.dtype)
-  uniforms = jax.random.uniform(key, (gamma + 1,), dtype=dtype)
-  return _block_verify(p, q, draft, uniforms, num_draft=num_draft, pad_id=pad_id)
-
-
-block_verify_with_key = jax.jit(_block_verify_with_key, static_argnames=("pad_id",))
-block_verify_with_key.__doc__ = """:func:`block_verify` with its ``gamma + 1`` uniforms from a key.
+@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id",))
+def block_verify_with_key(key, p, q, draft, *, num_draft=None,
+                          pad_id: int = -1) -> VerifyResult:
+  """:func:`block_verify` with its ``gamma + 1`` uniforms from a key.
 
   The uniforms are ``jax.random.uniform(key, (gamma + 1,), dtype)`` in the computation
   dtype, exactly as in :func:`specdec_jax.verify_with_key`.
@@ -351,3 +327,8 @@ block_verify_with_key.__doc__ = """:func:`block_verify` with its ``gamma + 1`` u
   Reference:
     Sun et al., "Block Verification Accelerates Speculative Decoding", arXiv:2403.10444.
   """
+  name = "block_verify_with_key"
+  gamma, vocab = check_chain(name, p, q, draft, None)
+  check_scalar(name, "num_draft", num_draft, INT)
+  uniforms = key_uniforms(name, key, gamma + 1, compute_dtype(p.dtype, q.dtype))
+  return block_verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)

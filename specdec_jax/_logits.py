@@ -15,13 +15,21 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from specdec_jax._rule import ErrorCode
+from specdec_jax._checks import FLOAT
+from specdec_jax._checks import INT
+from specdec_jax._checks import KEY
+from specdec_jax._checks import check_chain
+from specdec_jax._checks import check_scalar
+from specdec_jax._checks import host_array
+from specdec_jax._checks import is_concrete
+from specdec_jax._checks import public_jit
+from specdec_jax._errors import ErrorCode
 from specdec_jax._sampling import sample_index
 from specdec_jax._verify import VerifyResult
-from specdec_jax._verify import _check_shapes
-from specdec_jax._verify import check_num_draft
 from specdec_jax._verify import compute_dtype
+from specdec_jax._verify import key_uniforms
 from specdec_jax._verify import verify_rows
 
 
@@ -38,9 +46,15 @@ class SamplingParams(NamedTuple):
       tokens sorted by probability whose mass reaches ``top_p``; ``1`` disables at
       run time, ``None`` at trace time.
 
-  Out-of-range values raise ``ValueError`` when concrete; under ``jit`` they are
-  clipped (temperature to 0, top_k to 0, top_p into ``[tiny, 1]``) and reported by
-  ``ErrorCode.BAD_PARAMS`` in :func:`verify_logits`.
+  Any positive temperature gives a valid distribution (as ``temperature -> 0`` it tends
+  to the uniform law over the tied maximal logits; ``inf`` gives the uniform law over the
+  tokens that top-k/top-p keep).
+
+  Out-of-range values: the host functions (:func:`process_logits`, :func:`sample_draft`,
+  the decoding loops) raise ``ValueError`` on concrete values; the jitted verifiers
+  (:func:`verify_logits`, :func:`verify_logits_with_key`) and traced values clip them
+  (temperature to 0 = greedy, top_k to 0, top_p into ``[tiny, 1]``) and report
+  ``ErrorCode.BAD_PARAMS`` in the result.
   """
 
   temperature: float | jax.Array = 1.0
@@ -48,37 +62,69 @@ class SamplingParams(NamedTuple):
   top_p: float | jax.Array | None = None
 
 
-def _is_concrete(x) -> bool:
-  return x is not None and not isinstance(x, jax.core.Tracer)
+def is_concrete_value(x) -> bool:
+  """A parameter that is set and whose value the host can read."""
+  return x is not None and is_concrete(x)
 
 
-def _check_params(params: SamplingParams, name: str) -> None:
-  """Raise on concrete out-of-range values; shapes must be scalar (use vmap for batches)."""
+_EXPECTED = {"temperature": ">= 0", "top_k": ">= 0 (0 disables)",
+             "top_p": "in (0, 1]"}
+
+
+def _in_range(field: str, v: np.ndarray) -> np.ndarray:
+  if field == "temperature":
+    return v >= 0  # NaN fails
+  if field == "top_k":
+    return v >= 0
+  return (v > 0) & (v <= 1)
+
+
+def check_params(params: SamplingParams, name: str, batch: int | None = None) -> None:
+  """Host-side checks of :class:`SamplingParams`, shared by every entry point that takes them.
+
+  Fields must be scalars (``batch=None``: one sequence; use ``jax.vmap`` for a batch) or,
+  with ``batch = B``, scalars or ``(B,)`` arrays. ``top_k`` must be an integer and the
+  temperature must be set. Concrete values (:func:`~specdec_jax._checks.is_concrete`) must
+  be in range; traced ones are clipped where they are used and flagged by
+  :func:`params_error`.
+  """
   if not isinstance(params, SamplingParams):
     raise TypeError(
       f"{name}: `params` must be a SamplingParams, got {type(params).__name__} instead."
     )
+  if params.temperature is None:
+    raise ValueError(f"{name}: `params.temperature` must be a number, got None instead.")
+  shapes = ((),) if batch is None else ((), (batch,))
   for field, value in zip(params._fields, params, strict=True):
-    if value is not None and jnp.shape(value) != ():
-      raise ValueError(
-        f"{name}: `params.{field}` must be a scalar per sequence (use jax.vmap for a batch), "
-        f"got shape {jnp.shape(value)} instead."
-      )
-  if params.top_k is not None and not jnp.issubdtype(jnp.result_type(params.top_k), jnp.integer):
-    raise TypeError(
-      f"{name}: `params.top_k` must be an integer, got dtype {jnp.result_type(params.top_k)}."
-    )
-  t, k, p = params
-  if _is_concrete(t) and not float(t) >= 0:
-    raise ValueError(f"{name}: `params.temperature` must be >= 0, got {float(t)} instead.")
-  if _is_concrete(k) and int(k) < 0:
-    raise ValueError(f"{name}: `params.top_k` must be >= 0 (0 disables), got {int(k)} instead.")
-  if _is_concrete(p) and not 0.0 < float(p) <= 1.0:
-    raise ValueError(f"{name}: `params.top_p` must be in (0, 1], got {float(p)} instead.")
+    if value is None:
+      continue
+    try:
+      dtype = jnp.result_type(value)
+    except TypeError:
+      raise TypeError(
+        f"{name}: `params.{field}` must be a number or an array of numbers, got "
+        f"{type(value).__name__} instead.") from None
+    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+      raise TypeError(f"{name}: `params.{field}` must be a real number, got dtype {dtype}.")
+    if field == "top_k" and not jnp.issubdtype(dtype, jnp.integer):
+      raise TypeError(f"{name}: `params.top_k` must be an integer, got dtype {dtype}.")
+    shape = jnp.shape(value)
+    if shape not in shapes:
+      expected = ("a scalar per sequence (use jax.vmap for a batch)" if batch is None else
+                  f"a scalar or have shape (B,) = ({batch},)")
+      raise ValueError(f"{name}: `params.{field}` must be {expected}, got shape {shape} instead.")
+    if is_concrete(value):
+      v = np.asarray(value, np.float64)
+      if not np.all(_in_range(field, v)):
+        shown = v.tolist() if v.ndim else float(v)
+        if field == "top_k":
+          shown = np.asarray(value).tolist()
+        raise ValueError(f"{name}: `params.{field}` must be {_EXPECTED[field]}, got {shown} "
+                         "instead.")
 
 
 def params_error(params: SamplingParams) -> jax.Array:
-  """``ErrorCode.BAD_PARAMS`` if a parameter is out of range (traced-safe), else 0."""
+  """``ErrorCode.BAD_PARAMS`` where a parameter is out of range (traced-safe), else 0."""
   bad = ~(jnp.asarray(params.temperature) >= 0)
   if params.top_k is not None:
     bad = bad | (jnp.asarray(params.top_k) < 0)
@@ -88,35 +134,54 @@ def params_error(params: SamplingParams) -> jax.Array:
   return jnp.where(bad, jnp.int32(ErrorCode.BAD_PARAMS.value), jnp.int32(0))
 
 
+def scaled_logits(logits: jax.Array, temperature) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(z, greedy, broken)`` for one row: the temperature-scaled logits and two flags.
+
+  ``z = (x - max(x)) / T`` over the finite logits (``-inf`` stays ``-inf``): every entry is
+  ``<= 0`` and the largest is 0, so no positive temperature, however small or large, can
+  turn a row into NaN (a tiny ``T`` sends the others to ``-inf``, i.e. probability 0).
+  ``greedy`` is ``~(T > 0)`` (0, negative or NaN). ``broken`` marks a row the model got
+  wrong: a NaN or ``+inf`` logit, or no finite logit at all.
+  """
+  dtype = compute_dtype(logits.dtype)
+  x = logits.astype(dtype)
+  temperature = jnp.asarray(temperature, dtype)
+  greedy = ~(temperature > 0)
+  finite = jnp.isfinite(x)
+  broken = jnp.any(jnp.isnan(x) | (x == jnp.inf)) | ~jnp.any(finite)
+  top = jnp.max(jnp.where(finite, x, -jnp.inf))
+  scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
+  z = jnp.where(finite, (x - jnp.where(broken, 0, top)) / scale, -jnp.inf)
+  return z, greedy, broken
+
+
 def _process_row(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """One row ``(V,)`` of logits to probabilities (float32 at least)."""
   vocab = logits.shape[-1]
-  dtype = compute_dtype(logits.dtype)
-  x = logits.astype(dtype)
-  temperature = jnp.asarray(params.temperature, dtype)
-  greedy = ~(temperature > 0)  # also NaN / negative: clipped to greedy
-  scaled = x / jnp.where(greedy, jnp.ones((), dtype), temperature)
-  neg_inf = jnp.full_like(scaled, -jnp.inf)
+  z, greedy, broken = scaled_logits(logits, params.temperature)
+  dtype = z.dtype
+  neg_inf = jnp.full_like(z, -jnp.inf)
 
   if params.top_k is not None or params.top_p is not None:
-    # One stable sort by logit, descending: ties go to the lower token id.
-    order = jnp.argsort(-scaled, stable=True)
+    # One stable sort by scaled logit, descending: ties go to the lower token id.
+    order = jnp.argsort(-z, stable=True)
     rank = jnp.zeros(vocab, jnp.int32).at[order].set(jnp.arange(vocab, dtype=jnp.int32))
     if params.top_k is not None:
-      k = jnp.asarray(params.top_k).astype(jnp.int32)
-      k = jnp.where(k > 0, jnp.minimum(k, vocab), vocab)
-      scaled = jnp.where(rank < k, scaled, neg_inf)
+      k = jnp.asarray(params.top_k)
+      k = jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
+      z = jnp.where(rank < k, z, neg_inf)
     if params.top_p is not None:
       top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
-      sorted_probs = jax.nn.softmax(scaled[order])
+      sorted_probs = jax.nn.softmax(z[order])
       mass_before = jnp.cumsum(sorted_probs) - sorted_probs
       keep_sorted = (mass_before < top_p) | (jnp.arange(vocab) == 0)
       keep = jnp.zeros(vocab, bool).at[order].set(keep_sorted)
-      scaled = jnp.where(keep | (top_p >= 1), scaled, neg_inf)
+      z = jnp.where(keep | (top_p >= 1), z, neg_inf)
 
-  probs = jax.nn.softmax(scaled)  # log-sum-exp stabilised
-  one_hot = jax.nn.one_hot(jnp.argmax(x), vocab, dtype=dtype)
-  return jnp.where(greedy, one_hot, probs)
+  probs = jax.nn.softmax(z)
+  one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)
+  # A broken row is NaN at every temperature (greedy too), so whoever reads it flags it.
+  return jnp.where(broken, jnp.nan, jnp.where(greedy, one_hot, probs))
 
 
 def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams()) -> jax.Array:
@@ -133,6 +198,12 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
   bfloat16/float16 logits are processed in float32. Use the *same* function and
   parameters for the draft (its ``q``) and the target (its ``p``): exactness of
   speculative sampling is with respect to these processed distributions.
+
+  Temperature is applied as ``(x - max(x)) / T``, so every positive ``T`` gives a valid
+  distribution (no overflow to NaN for tiny ``T``; the limit ``T -> 0`` is greedy up to
+  ties). ``-inf`` logits are masked tokens. A row with a NaN or ``+inf`` logit, or without
+  any finite logit, is returned as NaN at every temperature (greedy too), so a verifier or
+  decoding loop that reads it reports ``ErrorCode.NONFINITE`` instead of a plausible token.
 
   Args:
     logits: ``(V,)`` or ``(rows, V)`` floating logits (all rows share ``params``).
@@ -154,8 +225,8 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
     Holtzman et al., "The Curious Case of Neural Text Degeneration" (top-p),
     ICLR 2020, arXiv:1904.09751; Fan et al. 2018 (top-k), arXiv:1805.04833.
   """
-  _check_params(params, "process_logits")
-  logits = jnp.asarray(logits)
+  check_params(params, "process_logits")
+  logits = jnp.asarray(host_array("process_logits", "logits", logits, FLOAT))
   if logits.ndim not in (1, 2) or logits.shape[-1] < 1:
     raise ValueError(
       f"process_logits: `logits` must have shape (V,) or (rows, V) with V >= 1, "
@@ -213,22 +284,19 @@ def sample_draft(key: jax.Array, logits: jax.Array,
   return DraftSample(sample_index(probs, u), probs)
 
 
-def _verify_logits(target_logits, draft_logits, draft, uniforms,
-                   params: SamplingParams = SamplingParams(), *, num_draft=None,
-                   pad_id: int = -1) -> VerifyResult:
-  name = "verify_logits"
-  target_logits = jnp.asarray(target_logits)
-  draft_logits = jnp.asarray(draft_logits)
+def verify_logits_rows(target_logits, draft_logits, draft, uniforms, params, num_draft, *,
+                       pad_id: int, name: str) -> VerifyResult:
+  """Process both sides' logits with ``params`` and verify: the body of :func:`verify_logits`."""
   if target_logits.ndim == 2 and draft_logits.ndim == 2 and (
       target_logits.shape[-1] != draft_logits.shape[-1]):
     raise ValueError(
       f"{name}: `target_logits` and `draft_logits` must have the same vocabulary size, got "
       f"V = {target_logits.shape[-1]} and V = {draft_logits.shape[-1]} instead."
     )
-  gamma, vocab = _check_shapes(target_logits, draft_logits, draft, uniforms, name=name,
-                               names=("target_logits", "draft_logits"))
-  check_num_draft(num_draft, gamma, name)
-  _check_params(params, name)
+  gamma, vocab = check_chain(name, target_logits, draft_logits, draft, uniforms,
+                             names=("target_logits", "draft_logits"))
+  check_scalar(name, "num_draft", num_draft, INT)
+  check_params(params, name)
   p = process_logits(target_logits, params)
   q = process_logits(draft_logits, params) if gamma else jnp.zeros((0, vocab), p.dtype)
   result = verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
@@ -236,8 +304,16 @@ def _verify_logits(target_logits, draft_logits, draft, uniforms,
   return result._replace(error=error, valid=error == 0)
 
 
-verify_logits = jax.jit(_verify_logits, static_argnames=("pad_id",))
-verify_logits.__doc__ = """:func:`verify` on logits, with per-sequence temperature, top-k and top-p.
+#: The array arguments of the logits verifiers, converted on the host by ``public_jit``.
+LOGITS_ARRAYS = {"key": KEY, "target_logits": FLOAT, "draft_logits": FLOAT, "draft": INT,
+                 "uniforms": FLOAT, "num_draft": INT}
+
+
+@public_jit(arrays=LOGITS_ARRAYS, static_argnames=("pad_id",))
+def verify_logits(target_logits, draft_logits, draft, uniforms,
+                  params: SamplingParams = SamplingParams(), *, num_draft=None,
+                  pad_id: int = -1) -> VerifyResult:
+  """:func:`verify` on logits, with per-sequence temperature, top-k and top-p.
 
   Both ``target_logits`` and ``draft_logits`` go through :func:`process_logits`
   with the same ``params``; the result is exact with respect to the processed
@@ -272,20 +348,17 @@ verify_logits.__doc__ = """:func:`verify` on logits, with per-sequence temperatu
   Reference:
     Leviathan, Kalman, Matias (2023), arXiv:2211.17192.
   """
+  return verify_logits_rows(target_logits, draft_logits, draft, uniforms, params, num_draft,
+                            pad_id=pad_id, name="verify_logits")
 
 
-def _verify_logits_with_key(key, target_logits, draft_logits, draft,
-                            params: SamplingParams = SamplingParams(), *, num_draft=None,
-                            pad_id: int = -1) -> VerifyResult:
-  gamma = jnp.shape(draft)[0]
-  dtype = compute_dtype(jnp.asarray(target_logits).dtype)
-  uniforms = jax.random.uniform(key, (gamma + 1,), dtype=dtype)
-  return _verify_logits(target_logits, draft_logits, draft, uniforms, params,
-                        num_draft=num_draft, pad_id=pad_id)
 
 
-verify_logits_with_key = jax.jit(_verify_logits_with_key, static_argnames=("pad_id",))
-verify_logits_with_key.__doc__ = """:func:`verify_logits` with uniforms drawn from a key.
+@public_jit(arrays=LOGITS_ARRAYS, static_argnames=("pad_id",))
+def verify_logits_with_key(key, target_logits, draft_logits, draft,
+                           params: SamplingParams = SamplingParams(), *, num_draft=None,
+                           pad_id: int = -1) -> VerifyResult:
+  """:func:`verify_logits` with uniforms drawn from a key.
 
   Draws ``jax.random.uniform(key, (gamma + 1,))`` in the computation dtype, as
   :func:`verify_with_key` does; split keys per sequence for a batch.
@@ -309,6 +382,12 @@ verify_logits_with_key.__doc__ = """:func:`verify_logits` with uniforms drawn fr
     >>> int(r.num_tokens)   # equal distributions: every proposal is accepted
     3
   """
+  name = "verify_logits_with_key"
+  gamma, _ = check_chain(name, target_logits, draft_logits, draft, None,
+                         names=("target_logits", "draft_logits"))
+  uniforms = key_uniforms(name, key, gamma + 1, compute_dtype(target_logits.dtype))
+  return verify_logits_rows(target_logits, draft_logits, draft, uniforms, params, num_draft,
+                            pad_id=pad_id, name=name)
 
 __all__ = [
   "DraftSample",

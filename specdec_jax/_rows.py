@@ -70,7 +70,7 @@ def _stats_of_rows(p_row, q_row, rejected, block: int, dtype) -> RowStats:
   return lax.cond(rejected, rejection, accepted_all)
 
 
-def _explicitly_sharded_batch(x) -> bool:
+def explicitly_sharded_batch(x) -> bool:
   """True if ``x``'s leading axis is sharded over an explicit mesh axis (sharding in types)."""
   try:
     spec = jax.typeof(x).sharding.spec
@@ -99,7 +99,7 @@ def stop_row_stats(p, q, row, q_row_index, rejected, *, block: int, dtype) -> Ro
   @batched_single.def_vmap
   def _looped(axis_size, in_batched, p, q, row, q_row_index, rejected):
     args = (p, q, row, q_row_index, rejected)
-    if any(b and _explicitly_sharded_batch(a) for a, b in zip(args, in_batched, strict=True)):
+    if any(b and explicitly_sharded_batch(a) for a, b in zip(args, in_batched, strict=True)):
       # A loop over a batch axis that is sharded in the types would gather it.
       out = jax.vmap(single, in_axes=tuple(0 if b else None for b in in_batched))(*args)
       return out, RowStats(True, True, True)

@@ -9,7 +9,6 @@ decisions agree bit for bit.
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import jax.numpy as jnp
@@ -72,42 +71,3 @@ def accepts(u, p_x, q_x):
     Decoding", ICML 2023, arXiv:2211.17192, Algorithm 1.
   """
   return u < acceptance_ratio(p_x, q_x)
-
-
-class ErrorCode(enum.IntFlag):
-  """Bit flags in :attr:`VerifyResult.error`: what was wrong with the values the step read.
-
-  Under ``jax.jit`` values cannot raise, so the verifier keeps every returned id
-  in ``[0, V)`` and reports problems here instead. ``0`` means everything read was valid.
-  """
-
-  OK = 0
-  NONFINITE = 1  #: a probability that was read is NaN or infinite
-  NEGATIVE = 2  #: a probability that was read is negative
-  NOT_NORMALIZED = 4  #: a full row that was read does not sum to 1 (or a value exceeds 1)
-  DRAFT_OUT_OF_RANGE = 8  #: a tested draft id is outside ``[0, V)``
-  UNIFORM_OUT_OF_RANGE = 16  #: a uniform that was read is outside ``[0, 1)`` or NaN
-  BAD_NUM_DRAFT = 32  #: ``num_draft`` outside ``[0, gamma]`` (it was clipped)
-  BAD_PARAMS = 64  #: a sampling parameter was out of range (it was clipped)
-
-
-def describe_error(code: int) -> str:
-  """Human-readable text for an :class:`ErrorCode` bit mask (host side).
-
-  Example:
-    >>> describe_error(5)
-    'NONFINITE|NOT_NORMALIZED'
-  """
-  code = int(code)
-  if code == 0:
-    return "OK"
-  names = [flag.name for flag in ErrorCode if flag and code & flag]
-  return "|".join(names)
-
-
-def row_tolerance(dtype) -> float:
-  """How far from 1 a row's sum may be: ``sqrt(eps)`` of the input's dtype.
-
-  float64: 1.5e-8, float32: 3.5e-4, float16: 3.1e-2, bfloat16: 8.8e-2.
-  """
-  return float(np.sqrt(float(jnp.finfo(dtype).eps)))

@@ -6,8 +6,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._checks import FLOAT
+from specdec_jax._checks import check_array
+from specdec_jax._checks import compute_dtype
+from specdec_jax._checks import public_jit
 
-def _sanitize(weights: jax.Array) -> jax.Array:
+
+def sanitize(weights: jax.Array) -> jax.Array:
   """NaN and negative weights count as 0."""
   return jnp.where(weights > 0, weights, jnp.zeros_like(weights))
 
@@ -94,8 +99,9 @@ def two_level_inverse_cdf(w: jax.Array, target: jax.Array, block: int = BLOCK) -
   return start + pick_in_block(values, rest)
 
 
+@public_jit(arrays={"weights": FLOAT, "u": FLOAT})
 def sample_index(weights: jax.Array, u: jax.Array) -> jax.Array:
-  """Inverse-CDF sample from unnormalised ``weights`` with one uniform ``u``.
+  """Inverse-CDF sample from unnormalised ``weights`` with one uniform ``u`` (jitted).
 
   Returns the smallest ``k`` with ``u * total < cumsum(weights)[k]``, where
   ``total`` is the sum of the weights: SPEC.md's ``u < cumsum(probs)[k]`` with
@@ -111,8 +117,9 @@ def sample_index(weights: jax.Array, u: jax.Array) -> jax.Array:
   and float32 partial sums over at most 256 entries (no drift over 128k-entry rows).
 
   Args:
-    weights: shape ``(V,)``, floating, ``V >= 1``; need not sum to 1.
-    u: scalar uniform in ``[0, 1)``, same dtype as ``weights``.
+    weights: shape ``(V,)``, floating, ``V >= 1``; need not sum to 1. float16 and
+      bfloat16 rows are summed in float32.
+    u: floating scalar uniform in ``[0, 1)``.
 
   Returns:
     int32 scalar in ``[0, V)``.
@@ -120,10 +127,21 @@ def sample_index(weights: jax.Array, u: jax.Array) -> jax.Array:
   Example:
     >>> int(sample_index(jnp.array([0.3, 0.3, 0.4]), jnp.float32(0.1)))
     0
+    >>> int(sample_index([0.2, 0.0, 0.3, 0.5], 0.6))   # lists work too
+    3
+
+  Reference:
+    SPEC.md, "Sampling"; the inverse transform method (Devroye 1986, Section 2.1).
   """
-  w = _sanitize(weights)
+  check_array("sample_index", "weights", weights, 1, FLOAT)
+  check_array("sample_index", "u", u, 0, FLOAT, batch_hint=True)
+  if weights.shape[0] < 1:
+    raise ValueError(f"sample_index: `weights` must have V >= 1 entries, got shape "
+                     f"{tuple(weights.shape)}.")
+  dtype = compute_dtype(weights.dtype)
+  w = sanitize(weights.astype(dtype))
   total = jnp.sum(block_masses(w, min(BLOCK, w.shape[-1])))
-  return two_level_inverse_cdf(w, u * total)
+  return two_level_inverse_cdf(w, u.astype(dtype) * total)
 
 
 def sample_index_cumsum(weights: jax.Array, u: jax.Array) -> jax.Array:
@@ -132,7 +150,7 @@ def sample_index_cumsum(weights: jax.Array, u: jax.Array) -> jax.Array:
   Same semantics as :func:`sample_index`; slower, and its float32 partial sums
   drift over long rows. Kept as the baseline the fast sampler is tested against.
   """
-  w = _sanitize(weights)
+  w = sanitize(weights)
   cdf = jnp.cumsum(w)
   return _first_hit(w, cdf, u * cdf[-1])
 
@@ -156,7 +174,7 @@ def sample_index_sharded(weights: jax.Array, u: jax.Array, axis_name: str) -> ja
   Returns:
     int32 scalar global id in ``[0, V)``, the same on every device.
   """
-  w = _sanitize(weights)
+  w = sanitize(weights)
   masses = block_masses(w, min(BLOCK, w.shape[-1]))
   return sharded_inverse_cdf(
     masses, lambda lo, start, size: mask_block(lax.dynamic_slice_in_dim(w, start, size), lo, start),

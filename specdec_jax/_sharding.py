@@ -11,8 +11,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from specdec_jax._checks import check_chain
 from specdec_jax._verify import VerifyResult
-from specdec_jax._verify import _check_shapes
 from specdec_jax._verify import verify_rows
 
 
@@ -106,7 +106,7 @@ def vocab_parallel_verify(
           f"{name}: `{arg}` must be batched with rank {rank}, got shape {tuple(value.shape)}."
         )
     one = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (p, q, draft, uniforms)]
-    gamma, vocab = _check_shapes(*one, name=name)
+    gamma, vocab = check_chain(name, *one)
     if vocab % shards:
       raise ValueError(
         f"{name}: V = {vocab} must be divisible by the {shards} devices of mesh axis "

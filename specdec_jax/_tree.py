@@ -18,14 +18,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specdec_jax._rule import ErrorCode
+from specdec_jax._checks import FLOAT
+from specdec_jax._checks import INT
+from specdec_jax._checks import KEY
+from specdec_jax._checks import check_array
+from specdec_jax._checks import check_scalar
+from specdec_jax._checks import public_jit
+from specdec_jax._errors import ErrorCode
+from specdec_jax._errors import flag
+from specdec_jax._errors import row_error
+from specdec_jax._errors import row_tolerance
 from specdec_jax._rule import accepts
-from specdec_jax._rule import row_tolerance
-from specdec_jax._sampling import _sanitize
 from specdec_jax._sampling import sample_index
-from specdec_jax._verify import _flag
+from specdec_jax._sampling import sanitize
+from specdec_jax._verify import clip_count
 from specdec_jax._verify import compute_dtype
-from specdec_jax._verify import row_error
+from specdec_jax._verify import id_in_range
+from specdec_jax._verify import key_uniforms
 
 LAWS = ("iid", "without_replacement", "deterministic")
 
@@ -62,28 +71,21 @@ class TreeVerifyResult(NamedTuple):
 
 
 def _check_tree(p, q, parents, tokens, uniforms, law, max_depth, name) -> tuple[int, int, int]:
-  """Trace-time rank, shape, dtype and static-argument checks. Returns ``(N, V, max_depth)``."""
-  hint = f" For a batch, use jax.vmap({name})."
-  for arg, value, rank in (("p", p, 2), ("q", q, 2), ("parents", parents, 1),
-                           ("tokens", tokens, 1), ("uniforms", uniforms, 1)):
-    if not hasattr(value, "ndim"):
-      raise TypeError(f"{name}: `{arg}` must be an array, got {type(value).__name__} instead.")
-    if value.ndim != rank:
-      raise ValueError(
-        f"{name}: `{arg}` must have rank {rank}, got shape {tuple(value.shape)} "
-        f"(rank {value.ndim}) instead.{hint if value.ndim > rank else ''}")
-  for arg, value in (("p", p), ("q", q), ("uniforms", uniforms)):
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-      raise TypeError(f"{name}: `{arg}` must have a floating dtype, got {value.dtype} instead.")
-  for arg, value in (("parents", parents), ("tokens", tokens)):
-    if not jnp.issubdtype(value.dtype, jnp.integer):
-      raise TypeError(f"{name}: `{arg}` must have an integer dtype, got {value.dtype} instead.")
+  """Trace-time rank, shape, dtype and static-argument checks. Returns ``(N, V, max_depth)``.
+
+  ``uniforms=None`` skips its check (the ``*_with_key`` form draws them).
+  """
+  for arg, value, rank, kind in (("p", p, 2, FLOAT), ("q", q, 2, FLOAT),
+                                 ("parents", parents, 1, INT), ("tokens", tokens, 1, INT)):
+    check_array(name, arg, value, rank, kind)
+  if uniforms is not None:
+    check_array(name, "uniforms", uniforms, 1, FLOAT)
   size, vocab = p.shape
   if size < 1 or vocab < 1:
     raise ValueError(f"{name}: `p` must have shape (N, V) with N, V >= 1, got {tuple(p.shape)}.")
   for arg, value, shape in (("q", q, (size, vocab)), ("parents", parents, (size,)),
                             ("tokens", tokens, (size,)), ("uniforms", uniforms, (size,))):
-    if tuple(value.shape) != shape:
+    if value is not None and tuple(value.shape) != shape:
       raise ValueError(
         f"{name}: `{arg}` must have shape {shape} (N = {size} nodes, V = {vocab} from `p`), "
         f"got {tuple(value.shape)} instead.")
@@ -91,21 +93,14 @@ def _check_tree(p, q, parents, tokens, uniforms, law, max_depth, name) -> tuple[
     raise ValueError(f"{name}: `law` must be one of {LAWS}, got {law!r} instead.")
   if max_depth is None:
     max_depth = size - 1
-  if not isinstance(max_depth, int) or max_depth < 0:
+  if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
     raise ValueError(f"{name}: `max_depth` must be a static int >= 0, got {max_depth!r}.")
   return size, vocab, max_depth
 
 
-def _check_num_nodes(num_nodes, size: int, name: str) -> None:
-  if num_nodes is None:
-    return
-  if jnp.shape(num_nodes) != ():
-    raise ValueError(f"{name}: `num_nodes` must be a scalar (use jax.vmap for a batch), "
-                     f"got shape {jnp.shape(num_nodes)} instead.")
-  if not jnp.issubdtype(jnp.result_type(num_nodes), jnp.integer):
-    raise TypeError(f"{name}: `num_nodes` must be an integer, got {jnp.result_type(num_nodes)}.")
-  if not isinstance(num_nodes, jax.core.Tracer) and not 1 <= int(num_nodes) <= size:
-    raise ValueError(f"{name}: `num_nodes` must be in [1, N] = [1, {size}], got {int(num_nodes)}.")
+#: The array arguments of the tree verifiers, converted on the host by ``public_jit``.
+TREE_ARRAYS = {"key": KEY, "p": FLOAT, "q": FLOAT, "parents": INT, "tokens": INT, "uniforms": FLOAT,
+               "num_nodes": INT}
 
 
 class _Walk(NamedTuple):
@@ -123,107 +118,10 @@ class _Walk(NamedTuple):
   error: jax.Array
 
 
-def _tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "iid",
-                 pad_id: int = -1, max_depth: int | None = None) -> TreeVerifyResult:
-  size, vocab, max_depth = _check_tree(p, q, parents, tokens, uniforms, law, max_depth,
-                                       "tree_verify")
-  _check_num_nodes(num_nodes, size, "tree_verify")
-  length = max_depth + 1
-  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
-  dtype = compute_dtype(p.dtype, q.dtype)
-  uniforms = uniforms.astype(dtype)
-  parents = parents.astype(jnp.int32)
-  tokens = tokens.astype(jnp.int32)
-  index = jnp.arange(size, dtype=jnp.int32)
-  ids = jnp.arange(vocab, dtype=jnp.int32)
-
-  if num_nodes is None:
-    real, bad_count = jnp.int32(size), jnp.asarray(False)
-  else:
-    num_nodes = jnp.asarray(num_nodes).astype(jnp.int32)
-    real = jnp.clip(num_nodes, 1, size)
-    bad_count = real != num_nodes
-  # Real non-root nodes need a parent in [0, own index); others are never reached (and flagged).
-  bad_parent = (index > 0) & (index < real) & ((parents < 0) | (parents >= index))
-  error = (_flag(bad_count, ErrorCode.BAD_NUM_DRAFT)
-           | _flag(jnp.any(bad_parent), ErrorCode.BAD_PARAMS)
-           | row_error(p[0].astype(dtype), tol))
-  is_node = (index > 0) & (index < real) & ~bad_parent
-
-  def arrive(node):
-    """The residual state on arriving at ``node``: p[node] as given, q[node] untouched."""
-    return p[node].astype(dtype), jnp.asarray(True), q[node].astype(dtype), jnp.asarray(False)
-
-  residual, raw, q_left, removed = arrive(jnp.int32(0))
-  start = _Walk(
-    node=jnp.int32(0), prev=jnp.int32(0), depth=jnp.int32(0), tests=jnp.int32(0),
-    done=jnp.asarray(False), residual=residual, raw=raw, q_left=q_left, removed=removed,
-    out=jnp.full((length,), pad_id, jnp.int32), path=jnp.full((length,), -1, jnp.int32),
-    error=error)
-
-  def uniform_error(u):
-    return _flag(~((u >= 0) & (u < 1)), ErrorCode.UNIFORM_OUT_OF_RANGE)
-
-  def test_child(s: _Walk, child) -> _Walk:
-    x = tokens[child]
-    in_range = (x >= 0) & (x < vocab)
-    safe_x = jnp.clip(x, 0, vocab - 1)
-    is_x = ids == x  # all False for an out-of-range id
-    u = uniforms[s.tests]
-    total = jnp.sum(_sanitize(s.residual))
-    r = jnp.where(s.raw, s.residual, s.residual / jnp.where(total > 0, total, 1))
-    if law == "iid":
-      q_j = q[s.node].astype(dtype)
-    elif law == "without_replacement":
-      left = jnp.sum(_sanitize(s.q_left))
-      q_j = jnp.where(s.removed, s.q_left / jnp.where(left > 0, left, 1), s.q_left)
-    else:  # a point mass on the child's token
-      q_j = is_x.astype(dtype)
-    ok = accepts(u, r[safe_x], q_j[safe_x]) & in_range
-    first_test = s.prev == s.node
-    error = s.error | uniform_error(u) | _flag(~in_range, ErrorCode.DRAFT_OUT_OF_RANGE)
-    if law != "deterministic":
-      error = error | jnp.where(first_test, row_error(q[s.node].astype(dtype), tol), 0)
-
-    def accept(_):
-      residual, raw, q_left, removed = arrive(child)
-      return s._replace(
-        node=child, prev=child, depth=s.depth + 1, tests=s.tests + 1, residual=residual,
-        raw=raw, q_left=q_left, removed=removed, out=s.out.at[s.depth].set(safe_x),
-        path=s.path.at[s.depth].set(child),
-        error=error | row_error(p[child].astype(dtype), tol))
-
-    def reject(_):
-      weights = jnp.maximum(r - q_j, 0)
-      empty = ~(jnp.sum(_sanitize(weights)) > 0)  # rounding noise only: fall back to p[node]
-      residual = jnp.where(empty, p[s.node].astype(dtype), weights)
-      q_left = s.q_left
-      if law == "without_replacement":
-        q_left = jnp.where(is_x, jnp.zeros_like(q_left), q_left)
-      return s._replace(prev=child, tests=s.tests + 1, residual=residual, raw=empty,
-                        q_left=q_left, removed=s.removed | jnp.any(is_x), error=error)
-
-    return lax.cond(ok, accept, reject, None)
-
-  def finish(s: _Walk) -> _Walk:
-    u = uniforms[s.tests]
-    token = sample_index(s.residual, u)
-    return s._replace(done=jnp.asarray(True), out=s.out.at[s.depth].set(token),
-                      error=s.error | uniform_error(u))
-
-  def step(s: _Walk) -> _Walk:
-    candidates = is_node & (parents == s.node) & (index > s.prev) & (s.depth < max_depth)
-    child = jnp.argmax(candidates).astype(jnp.int32)
-    return lax.cond(candidates[child], lambda c: test_child(s, c), lambda c: finish(s), child)
-
-  end = lax.while_loop(lambda s: ~s.done, step, start)
-  return TreeVerifyResult(
-    tokens=end.out, path=end.path, num_tokens=end.depth + 1, num_accepted=end.depth,
-    num_uniforms=end.tests + 1, valid=end.error == 0, error=end.error)
-
-
-tree_verify = jax.jit(_tree_verify, static_argnames=("law", "pad_id", "max_depth"))
-tree_verify.__doc__ = """Exact draft-tree verification by recursive rejection sampling (jitted).
+@public_jit(arrays=TREE_ARRAYS, static_argnames=("law", "pad_id", "max_depth"))
+def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "iid",
+                pad_id: int = -1, max_depth: int | None = None) -> TreeVerifyResult:
+  """Exact draft-tree verification by recursive rejection sampling (jitted).
 
   Node 0 is the root (the current context, no token); node ``c`` in ``1 .. N - 1``
   has parent ``parents[c] < c`` and token ``tokens[c]``. The walk starts at the root
@@ -239,10 +137,13 @@ tree_verify.__doc__ = """Exact draft-tree verification by recursive rejection sa
   * ``"deterministic"`` (EAGLE-2 top-k): ``q_j`` is a point mass on ``x``, i.e.
     accept with probability ``r(x)``; ``q`` is not read.
 
-  On rejection ``r <- normalize(max(r - q_j, 0))`` (``p[u]`` if that is empty,
-  which only rounding can cause). An accepted child's token is emitted and the
-  walk continues there with ``r = p[child]``; when all children of ``u`` are
-  rejected a token is sampled from ``r``, and at a node without children from
+  On rejection ``r <- normalize(max(r - q_j, 0))``, or ``p[u]`` if that is empty:
+  rounding can empty it when ``r`` is close to ``q_j``, and so can exact arithmetic when
+  a sibling the law cannot produce is rejected (``q_j(x) = 0 = r(x)``, e.g. a padded
+  sibling under ``"without_replacement"`` after ``r`` has become ``q_j``; such inputs are
+  outside the drafting law, and the walk stays in range). An accepted child's token is
+  emitted and the walk continues there with ``r = p[child]``; when all children of ``u``
+  are rejected a token is sampled from ``r``, and at a node without children from
   ``p[u]`` (bonus); then the walk stops. The emitted tokens are distributed exactly
   as if the target had sampled them one by one.
 
@@ -297,19 +198,103 @@ tree_verify.__doc__ = """Exact draft-tree verification by recursive rejection sa
     arXiv:2402.14160; Li et al., "EAGLE-2: Faster Inference of Language Models with
     Dynamic Draft Trees", arXiv:2406.16858.
   """
-
-
-def _tree_verify_with_key(key, p, q, parents, tokens, *, num_nodes=None, law: str = "iid",
-                          pad_id: int = -1, max_depth: int | None = None) -> TreeVerifyResult:
+  size, vocab, max_depth = _check_tree(p, q, parents, tokens, uniforms, law, max_depth,
+                                       "tree_verify")
+  check_scalar("tree_verify", "num_nodes", num_nodes, INT)
+  length = max_depth + 1
+  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
   dtype = compute_dtype(p.dtype, q.dtype)
-  uniforms = jax.random.uniform(key, (p.shape[0],), dtype=dtype)
-  return _tree_verify(p, q, parents, tokens, uniforms, num_nodes=num_nodes, law=law,
-                      pad_id=pad_id, max_depth=max_depth)
+  uniforms = uniforms.astype(dtype)
+  index = jnp.arange(size, dtype=jnp.int32)
+  ids = jnp.arange(vocab, dtype=jnp.int32)
+  real, bad_count = clip_count(num_nodes, 1, size)
+  # Real non-root nodes need a parent in [0, own index); others are never reached (and flagged).
+  # Parents and ids are compared in their own dtype, before the int32 cast (no wrap-around).
+  bad_parent = (index > 0) & (index < real) & ((parents < 0) | (parents >= index))
+  parents = jnp.clip(parents, -1, size).astype(jnp.int32)
+  token_in_range, safe_tokens = id_in_range(tokens, vocab)
+  error = (flag(bad_count, ErrorCode.BAD_NUM_DRAFT)
+           | flag(jnp.any(bad_parent), ErrorCode.BAD_PARAMS)
+           | row_error(p[0].astype(dtype), tol))
+  is_node = (index > 0) & (index < real) & ~bad_parent
+
+  def arrive(node):
+    """The residual state on arriving at ``node``: p[node] as given, q[node] untouched."""
+    return p[node].astype(dtype), jnp.asarray(True), q[node].astype(dtype), jnp.asarray(False)
+
+  residual, raw, q_left, removed = arrive(jnp.int32(0))
+  start = _Walk(
+    node=jnp.int32(0), prev=jnp.int32(0), depth=jnp.int32(0), tests=jnp.int32(0),
+    done=jnp.asarray(False), residual=residual, raw=raw, q_left=q_left, removed=removed,
+    out=jnp.full((length,), pad_id, jnp.int32), path=jnp.full((length,), -1, jnp.int32),
+    error=error)
+
+  def uniform_error(u):
+    return flag(~((u >= 0) & (u < 1)), ErrorCode.UNIFORM_OUT_OF_RANGE)
+
+  def test_child(s: _Walk, child) -> _Walk:
+    in_range = token_in_range[child]
+    safe_x = safe_tokens[child]
+    is_x = (ids == safe_x) & in_range  # all False for an out-of-range id
+    u = uniforms[s.tests]
+    total = jnp.sum(sanitize(s.residual))
+    r = jnp.where(s.raw, s.residual, s.residual / jnp.where(total > 0, total, 1))
+    if law == "iid":
+      q_j = q[s.node].astype(dtype)
+    elif law == "without_replacement":
+      left = jnp.sum(sanitize(s.q_left))
+      q_j = jnp.where(s.removed, s.q_left / jnp.where(left > 0, left, 1), s.q_left)
+    else:  # a point mass on the child's token
+      q_j = is_x.astype(dtype)
+    ok = accepts(u, r[safe_x], q_j[safe_x]) & in_range
+    first_test = s.prev == s.node
+    error = s.error | uniform_error(u) | flag(~in_range, ErrorCode.DRAFT_OUT_OF_RANGE)
+    if law != "deterministic":
+      error = error | jnp.where(first_test, row_error(q[s.node].astype(dtype), tol), 0)
+
+    def accept(_):
+      residual, raw, q_left, removed = arrive(child)
+      return s._replace(
+        node=child, prev=child, depth=s.depth + 1, tests=s.tests + 1, residual=residual,
+        raw=raw, q_left=q_left, removed=removed, out=s.out.at[s.depth].set(safe_x),
+        path=s.path.at[s.depth].set(child),
+        error=error | row_error(p[child].astype(dtype), tol))
+
+    def reject(_):
+      weights = jnp.maximum(r - q_j, 0)
+      empty = ~(jnp.sum(sanitize(weights)) > 0)  # nothing left: fall back to p[node]
+      residual = jnp.where(empty, p[s.node].astype(dtype), weights)
+      q_left = s.q_left
+      if law == "without_replacement":
+        q_left = jnp.where(is_x, jnp.zeros_like(q_left), q_left)
+      return s._replace(prev=child, tests=s.tests + 1, residual=residual, raw=empty,
+                        q_left=q_left, removed=s.removed | jnp.any(is_x), error=error)
+
+    return lax.cond(ok, accept, reject, None)
+
+  def finish(s: _Walk) -> _Walk:
+    u = uniforms[s.tests]
+    token = sample_index(s.residual, u)
+    return s._replace(done=jnp.asarray(True), out=s.out.at[s.depth].set(token),
+                      error=s.error | uniform_error(u))
+
+  def step(s: _Walk) -> _Walk:
+    candidates = is_node & (parents == s.node) & (index > s.prev) & (s.depth < max_depth)
+    child = jnp.argmax(candidates).astype(jnp.int32)
+    return lax.cond(candidates[child], lambda c: test_child(s, c), lambda c: finish(s), child)
+
+  end = lax.while_loop(lambda s: ~s.done, step, start)
+  return TreeVerifyResult(
+    tokens=end.out, path=end.path, num_tokens=end.depth + 1, num_accepted=end.depth,
+    num_uniforms=end.tests + 1, valid=end.error == 0, error=end.error)
 
 
-tree_verify_with_key = jax.jit(_tree_verify_with_key,
-                               static_argnames=("law", "pad_id", "max_depth"))
-tree_verify_with_key.__doc__ = """:func:`tree_verify` with its ``N`` uniforms drawn from a key.
+
+
+@public_jit(arrays=TREE_ARRAYS, static_argnames=("law", "pad_id", "max_depth"))
+def tree_verify_with_key(key, p, q, parents, tokens, *, num_nodes=None, law: str = "iid",
+                         pad_id: int = -1, max_depth: int | None = None) -> TreeVerifyResult:
+  """:func:`tree_verify` with its ``N`` uniforms drawn from a key.
 
   The uniforms are ``jax.random.uniform(key, (N,), dtype)`` in the computation
   dtype; all ``N`` are drawn whether read or not. For a batch split the key:
@@ -334,3 +319,8 @@ tree_verify_with_key.__doc__ = """:func:`tree_verify` with its ``N`` uniforms dr
   Reference:
     Miao et al. (2023), arXiv:2305.09781.
   """
+  name = "tree_verify_with_key"
+  size, _, _ = _check_tree(p, q, parents, tokens, None, law, max_depth, name)
+  uniforms = key_uniforms(name, key, size, compute_dtype(p.dtype, q.dtype))
+  return tree_verify.jitted(p, q, parents, tokens, uniforms, num_nodes=num_nodes, law=law,
+                            pad_id=pad_id, max_depth=max_depth)

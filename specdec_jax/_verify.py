@@ -8,17 +8,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._checks import FLOAT
+from specdec_jax._checks import INT
+from specdec_jax._checks import KEY
+from specdec_jax._checks import check_chain
+from specdec_jax._checks import check_key
+from specdec_jax._checks import check_scalar
+from specdec_jax._checks import compute_dtype
+from specdec_jax._checks import public_jit
+from specdec_jax._errors import ErrorCode
+from specdec_jax._errors import flag
+from specdec_jax._errors import or_reduce
+from specdec_jax._errors import psum_if
+from specdec_jax._errors import row_tolerance
+from specdec_jax._errors import stop_row_error
+from specdec_jax._errors import uniform_codes
+from specdec_jax._errors import value_codes
 from specdec_jax._rows import stop_row_stats
 from specdec_jax._rows import weights
-from specdec_jax._rule import ErrorCode
 from specdec_jax._rule import accepts
-from specdec_jax._rule import row_tolerance
 from specdec_jax._sampling import BLOCK
-from specdec_jax._sampling import _sanitize
 from specdec_jax._sampling import block_start
 from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import pick_block
 from specdec_jax._sampling import pick_in_block
+from specdec_jax._sampling import sanitize
 from specdec_jax._sampling import sharded_inverse_cdf
 
 
@@ -48,136 +62,6 @@ class VerifyResult(NamedTuple):
   error: jax.Array
 
 
-def compute_dtype(*dtypes) -> jnp.dtype:
-  """The dtype the rule is computed in: the promoted input dtype, at least float32."""
-  dtype = jnp.dtype(dtypes[0])
-  for other in dtypes[1:]:
-    dtype = jnp.promote_types(dtype, other)
-  if jnp.dtype(dtype).itemsize < 4:
-    return jnp.dtype(jnp.float32)
-  return jnp.dtype(dtype)
-
-
-def _flag(condition: jax.Array, code: ErrorCode) -> jax.Array:
-  return jnp.where(condition, jnp.int32(code.value), jnp.int32(0))
-
-
-def _psum(x: jax.Array, axis_name: str | None) -> jax.Array:
-  return x if axis_name is None else lax.psum(x, axis_name)
-
-
-def _value_codes(values: jax.Array, tol: float) -> jax.Array:
-  """Per-entry error bits of probabilities that must lie in ``[0, 1]`` (int32, same shape)."""
-  return (
-    _flag(~jnp.isfinite(values), ErrorCode.NONFINITE)
-    | _flag(values < 0, ErrorCode.NEGATIVE)
-    | _flag(values > 1 + tol, ErrorCode.NOT_NORMALIZED)
-  )
-
-
-def _or_reduce(codes: jax.Array) -> jax.Array:
-  """Bitwise OR of all entries of an int32 array (one reduction)."""
-  return lax.reduce(codes, jnp.int32(0), lax.bitwise_or, tuple(range(codes.ndim)))
-
-
-def row_error(row: jax.Array, tol: float, axis_name: str | None = None) -> jax.Array:
-  """Error bits for a full probability row: finite, non-negative, sums to 1 within ``tol``.
-
-  With ``axis_name`` the row is split over that mesh axis and three scalars are summed across it.
-  """
-  nonfinite = _psum(jnp.sum(~jnp.isfinite(row), dtype=jnp.int32), axis_name) > 0
-  negative = _psum(jnp.sum(row < 0, dtype=jnp.int32), axis_name) > 0
-  off = jnp.abs(_psum(jnp.sum(row), axis_name) - 1) > tol
-  return (
-    _flag(nonfinite, ErrorCode.NONFINITE)
-    | _flag(negative, ErrorCode.NEGATIVE)
-    | _flag(~nonfinite & off, ErrorCode.NOT_NORMALIZED)
-  )
-
-
-def _stop_row_error(masses, p_sum, q_sum, rejected, tol, axis_name) -> jax.Array:
-  """Error bits of the stop row(s) from the fused passes' results.
-
-  ``masses`` are block sums in which a negative entry was replaced by ``-inf``: a
-  NaN or ``+inf`` sum flags NONFINITE, ``-inf`` flags NEGATIVE. The sums of
-  ``p[n]`` (and of ``q[n]`` after a rejection) must be 1 within ``tol``.
-  """
-  nonfinite = _psum(jnp.sum(jnp.isnan(masses) | (masses == jnp.inf), dtype=jnp.int32),
-                    axis_name) > 0
-  nonfinite = (nonfinite | jnp.isnan(p_sum) | (p_sum == jnp.inf)
-               | (rejected & ~jnp.isfinite(q_sum)))
-  negative = (_psum(jnp.sum(masses == -jnp.inf, dtype=jnp.int32), axis_name) > 0) | (
-    p_sum == -jnp.inf)
-  off = (jnp.abs(p_sum - 1) > tol) | (rejected & (jnp.abs(q_sum - 1) > tol))
-  return (
-    _flag(nonfinite, ErrorCode.NONFINITE)
-    | _flag(negative, ErrorCode.NEGATIVE)
-    | _flag(~nonfinite & ~negative & off, ErrorCode.NOT_NORMALIZED)
-  )
-
-
-def _check_shapes(p, q, draft, uniforms, name: str = "verify",
-                  names: tuple[str, str] = ("p", "q")) -> tuple[int, int]:
-  """Trace-time rank, shape and dtype checks. Returns ``(gamma, V)``."""
-  hint = f" For a batch, use jax.vmap({name})."
-  pn, qn = names
-  ranks = ((pn, p, 2), (qn, q, 2), ("draft", draft, 1), ("uniforms", uniforms, 1))
-  for arg, value, rank in ranks:
-    if not hasattr(value, "ndim"):
-      raise TypeError(f"{name}: `{arg}` must be an array, got {type(value).__name__} instead.")
-    if value.ndim != rank:
-      raise ValueError(
-        f"{name}: `{arg}` must have rank {rank}, got shape {tuple(value.shape)} "
-        f"(rank {value.ndim}) instead.{hint if value.ndim > rank else ''}"
-      )
-  for arg, value in ((pn, p), (qn, q), ("uniforms", uniforms)):
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-      raise TypeError(f"{name}: `{arg}` must have a floating dtype, got {value.dtype} instead.")
-  if not jnp.issubdtype(draft.dtype, jnp.integer):
-    raise TypeError(f"{name}: `draft` must have an integer dtype, got {draft.dtype} instead.")
-  gamma = draft.shape[0]
-  vocab = p.shape[1]
-  if vocab < 1:
-    raise ValueError(f"{name}: `{pn}` must have V >= 1 columns, got shape {tuple(p.shape)}.")
-  if p.shape[0] != gamma + 1:
-    raise ValueError(
-      f"{name}: `{pn}` must have shape (gamma + 1, V) = ({gamma + 1}, {vocab}) for gamma = "
-      f"{gamma} (the length of `draft`), got {tuple(p.shape)} instead."
-    )
-  if q.shape != (gamma, vocab):
-    raise ValueError(
-      f"{name}: `{qn}` must have shape (gamma, V) = ({gamma}, {vocab}) for gamma = {gamma} "
-      f"(the length of `draft`) and V = {vocab} (from `{pn}`), got {tuple(q.shape)} instead."
-    )
-  if uniforms.shape != (gamma + 1,):
-    raise ValueError(
-      f"{name}: `uniforms` must have shape (gamma + 1,) = ({gamma + 1},) for gamma = {gamma}, "
-      f"got {tuple(uniforms.shape)} instead."
-    )
-  return gamma, vocab
-
-
-def check_num_draft(num_draft, gamma: int, name: str = "verify") -> None:
-  """Trace-time check of ``num_draft``: an integer scalar; concrete values must be in range."""
-  if num_draft is None:
-    return
-  shape = jnp.shape(num_draft)
-  if shape != ():
-    raise ValueError(
-      f"{name}: `num_draft` must be a scalar (one sequence; use jax.vmap for a batch), "
-      f"got shape {shape} instead."
-    )
-  dtype = jnp.result_type(num_draft)
-  if not jnp.issubdtype(dtype, jnp.integer):
-    raise TypeError(f"{name}: `num_draft` must be an integer, got dtype {dtype} instead.")
-  if not isinstance(num_draft, jax.core.Tracer):
-    value = int(num_draft)
-    if not 0 <= value <= gamma:
-      raise ValueError(
-        f"{name}: `num_draft` must be in [0, gamma] = [0, {gamma}], got {value} instead."
-      )
-
-
 class Prepared(NamedTuple):
   """What every verifier derives from its arguments before reading any probability."""
 
@@ -191,21 +75,86 @@ class Prepared(NamedTuple):
   positions: jax.Array  # (gamma,) int32 0 .. gamma - 1
 
 
+def clip_count(count, low: int, high: int) -> tuple[jax.Array, jax.Array]:
+  """``(clipped int32, was_out_of_range)`` for an optional traced count (``None``: ``high``).
+
+  The comparison happens in the count's own dtype, before the int32 cast, so a wide
+  value cannot wrap into range.
+  """
+  if count is None:
+    return jnp.int32(high), jnp.asarray(False)
+  count = jnp.asarray(count)
+  bad = (count < low) | (count > high)
+  return jnp.clip(count, low, high).astype(jnp.int32), bad
+
+
+def id_in_range(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
+  """``(in_range, safe_ids)``: ids in ``[0, V)`` (checked in their own dtype, before the int32
+  cast, so a wide id cannot wrap into range) and the ids clipped into it as int32."""
+  in_range = (ids >= 0) & (ids < vocab)
+  return in_range, jnp.where(in_range, ids, jnp.clip(ids, 0, vocab - 1)).astype(jnp.int32)
+
+
 def prepare(p, q, draft, uniforms, num_draft, vocab: int) -> Prepared:
   """Dtypes, the clipped ``num_draft`` and the clipped draft ids, shared by the verifiers."""
   gamma = draft.shape[0]
   tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
   dtype = compute_dtype(p.dtype, q.dtype)
-  draft = draft.astype(jnp.int32)
-  if num_draft is None:
-    limit, bad_limit = jnp.int32(gamma), jnp.asarray(False)
-  else:
-    num_draft = jnp.asarray(num_draft).astype(jnp.int32)
-    limit = jnp.clip(num_draft, 0, gamma)
-    bad_limit = limit != num_draft
-  return Prepared(tol, dtype, uniforms.astype(dtype), limit, bad_limit,
-                  (draft >= 0) & (draft < vocab), jnp.clip(draft, 0, vocab - 1),
+  limit, bad_limit = clip_count(num_draft, 0, gamma)
+  in_range, safe_draft = id_in_range(draft, vocab)
+  return Prepared(tol, dtype, uniforms.astype(dtype), limit, bad_limit, in_range, safe_draft,
                   jnp.arange(gamma, dtype=jnp.int32))
+
+
+def gather_draft_probs(p, q, prep: Prepared, axis_name: str | None = None):
+  """``(p_x, q_x)``: the ``2 * gamma`` probabilities of the draft tokens, in the compute dtype.
+
+  With ``axis_name`` the rows hold this device's ``V / n`` columns; the device that holds
+  an id contributes its value and a ``psum`` gives every device both scalars.
+  """
+  positions, ids, dtype = prep.positions, prep.safe_draft, prep.dtype
+  if axis_name is None:
+    return p[positions, ids].astype(dtype), q[positions, ids].astype(dtype)
+  local_vocab = p.shape[-1]
+  local = ids - lax.axis_index(axis_name).astype(jnp.int32) * local_vocab
+  mine = (local >= 0) & (local < local_vocab)
+  local = jnp.clip(local, 0, local_vocab - 1)
+  zero = jnp.zeros((), dtype)
+  p_x = lax.psum(jnp.where(mine, p[positions, local].astype(dtype), zero), axis_name)
+  q_x = lax.psum(jnp.where(mine, q[positions, local].astype(dtype), zero), axis_name)
+  return p_x, q_x
+
+
+def assemble(prep: Prepared, p_x, q_x, *, num_accepted, token, num_uniforms, tested,
+             row_error, pad_id: int) -> VerifyResult:
+  """The :class:`VerifyResult` of a chain verifier (token-wise or block), written once.
+
+  Args:
+    prep: what :func:`prepare` derived.
+    p_x, q_x: ``(gamma,)`` the gathered probabilities of the draft tokens.
+    num_accepted: int32 scalar, how many draft tokens are kept.
+    token: int32 scalar, the replacement or bonus token, in ``[0, V)``.
+    num_uniforms: int32 scalar, how many uniforms the rule read (slots ``0 .. n - 1``).
+    tested: ``(gamma,)`` bool, the positions whose id and probabilities were read.
+    row_error: int32 error bits of the full rows that were read.
+    pad_id: written into the unused slots.
+  """
+  gamma = prep.positions.shape[0]
+  slots = jnp.arange(gamma + 1, dtype=jnp.int32)
+  kept = jnp.take(prep.safe_draft, jnp.minimum(slots, gamma - 1)) if gamma else slots
+  tokens = jnp.where(slots < num_accepted, kept, jnp.int32(pad_id))
+  tokens = jnp.where(slots == num_accepted, token, tokens)
+  position_codes = jnp.where(
+    tested,
+    flag(~prep.in_range, ErrorCode.DRAFT_OUT_OF_RANGE) | value_codes(p_x, prep.tol)
+    | value_codes(q_x, prep.tol),
+    0,
+  )
+  u_codes = uniform_codes(prep.uniforms, slots < num_uniforms)
+  error = (or_reduce(jnp.concatenate([position_codes, u_codes]))
+           | flag(prep.bad_limit, ErrorCode.BAD_NUM_DRAFT) | row_error)
+  return VerifyResult(tokens=tokens, num_tokens=num_accepted + 1, num_accepted=num_accepted,
+                      num_uniforms=num_uniforms, valid=error == 0, error=error)
 
 
 def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
@@ -218,20 +167,10 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   """
   gamma = draft.shape[0]
   local_vocab = p.shape[-1]
-  tol, dtype, uniforms, limit, bad_limit, in_range, safe_draft, positions = prepare(
-    p, q, draft, uniforms, num_draft, vocab)
-
+  prep = prepare(p, q, draft, uniforms, num_draft, vocab)
+  dtype, limit, uniforms = prep.dtype, prep.limit, prep.uniforms
   # Only 2 * gamma scalars are gathered for the accept scan.
-  if axis_name is None:
-    p_x = p[positions, safe_draft].astype(dtype)
-    q_x = q[positions, safe_draft].astype(dtype)
-  else:  # the device that holds the id contributes it, the others 0
-    local = safe_draft - lax.axis_index(axis_name).astype(jnp.int32) * local_vocab
-    mine = (local >= 0) & (local < local_vocab)
-    local = jnp.clip(local, 0, local_vocab - 1)
-    zero = jnp.zeros((), dtype)
-    p_x = lax.psum(jnp.where(mine, p[positions, local].astype(dtype), zero), axis_name)
-    q_x = lax.psum(jnp.where(mine, q[positions, local].astype(dtype), zero), axis_name)
+  p_x, q_x = gather_draft_probs(p, q, prep, axis_name)
 
   def keep_going(state):
     i, rejected = state
@@ -239,7 +178,7 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
 
   def test_one(state):
     i, _ = state
-    ok = accepts(uniforms[i], p_x[i], q_x[i]) & in_range[i]
+    ok = accepts(uniforms[i], p_x[i], q_x[i]) & prep.in_range[i]
     return i + ok.astype(jnp.int32), ~ok
 
   # The carry starts as a zero that depends on every input the loop reads, so that
@@ -261,18 +200,18 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   block = min(BLOCK, local_vocab)
   masses, p_masses, q_sum = stop_row_stats(p, q, row, q_row_index, rejected, block=block,
                                            dtype=dtype)
-  q_sum = _psum(q_sum, axis_name)
-  p_sum = _psum(jnp.sum(p_masses), axis_name)
+  q_sum = psum_if(q_sum, axis_name)
+  p_sum = psum_if(jnp.sum(p_masses), axis_name)
 
   clean = jnp.where(jnp.isfinite(masses) & (masses > 0), masses, 0)
   clean_p = jnp.where(jnp.isfinite(p_masses) & (p_masses > 0), p_masses, 0)
-  use_residual = rejected & (_psum(jnp.sum(clean), axis_name) > 0)  # else fall back to p[n]
+  use_residual = rejected & (psum_if(jnp.sum(clean), axis_name) > 0)  # else fall back to p[n]
   clean = jnp.where(use_residual | ~rejected, clean, clean_p)
 
   def block_values(lo, start, size):
     p_part = lax.dynamic_slice(p, (row, start), (1, size))[0]
     q_part = lax.dynamic_slice(q, (q_row_index, start), (1, size))[0] if gamma else None
-    return mask_block(_sanitize(weights(p_part, q_part, use_residual, dtype)), lo, start)
+    return mask_block(sanitize(weights(p_part, q_part, use_residual, dtype)), lo, start)
 
   final_u = uniforms[num_tests]
   if axis_name is None:
@@ -282,46 +221,29 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   else:
     token = sharded_inverse_cdf(clean, block_values, final_u, local_vocab, axis_name)
 
-  slots = jnp.arange(gamma + 1, dtype=jnp.int32)
-  kept = jnp.take(safe_draft, jnp.minimum(slots, gamma - 1)) if gamma else slots
-  tokens = jnp.where(slots < num_accepted, kept, jnp.int32(pad_id))
-  tokens = jnp.where(slots == num_accepted, token, tokens)
-
-  # What the step read, and whether it was valid.
-  # Per tested position: the draft id and its two gathered probabilities; per read
-  # slot: the uniform. One OR-reduction over all of them.
-  tested = positions < num_tests
-  position_codes = jnp.where(
-    tested,
-    _flag(~in_range, ErrorCode.DRAFT_OUT_OF_RANGE) | _value_codes(p_x, tol)
-    | _value_codes(q_x, tol),
-    0,
-  )
-  u_codes = _flag((slots <= num_tests) & ~((uniforms >= 0) & (uniforms < 1)),
-                  ErrorCode.UNIFORM_OUT_OF_RANGE)
-  error = (
-    _or_reduce(jnp.concatenate([position_codes, u_codes]))
-    | _flag(bad_limit, ErrorCode.BAD_NUM_DRAFT)
-    | _stop_row_error(masses, p_sum, q_sum, rejected, tol, axis_name)
-  )
-  return VerifyResult(
-    tokens=tokens,
-    num_tokens=num_accepted + 1,
-    num_accepted=num_accepted,
-    num_uniforms=num_tests + 1,
-    valid=error == 0,
-    error=error,
-  )
+  # What the step read: per tested position the draft id and its two gathered
+  # probabilities, the uniforms of the tests and of the final sample, the stop row(s).
+  positions = prep.positions
+  return assemble(prep, p_x, q_x, num_accepted=num_accepted, token=token,
+                  num_uniforms=num_tests + 1, tested=positions < num_tests,
+                  row_error=stop_row_error(masses, p_sum, q_sum, rejected, prep.tol, axis_name),
+                  pad_id=pad_id)
 
 
-def _verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
-  gamma, vocab = _check_shapes(p, q, draft, uniforms)
-  check_num_draft(num_draft, gamma)
-  return verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
+#: The array arguments of the chain verifiers, converted on the host by ``public_jit``.
+CHAIN_ARRAYS = {"key": KEY, "p": FLOAT, "q": FLOAT, "draft": INT, "uniforms": FLOAT,
+                "num_draft": INT}
 
 
-verify = jax.jit(_verify, static_argnames=("pad_id",))
-verify.__doc__ = """Exact speculative-sampling verification of one draft sequence (pure, jitted).
+def key_uniforms(fn: str, key, count: int, dtype) -> jax.Array:
+  """``count`` uniforms in ``[0, 1)`` of ``dtype`` from ``key``: the ``*_with_key`` forms' draw."""
+  check_key(fn, key)
+  return jax.random.uniform(key, (count,), dtype=dtype)
+
+
+@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id",))
+def verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
+  """Exact speculative-sampling verification of one draft sequence (pure, jitted).
 
   For ``i = 0 .. gamma - 1`` with ``x = draft[i]``: accept ``x`` if
   ``uniforms[i] < p[i, x] / q[i, x]``; at the first rejection sample a replacement
@@ -339,7 +261,9 @@ verify.__doc__ = """Exact speculative-sampling verification of one draft sequenc
   Under ``jit`` nothing can raise on values: ids stay in ``[0, V)``, an
   out-of-range draft id is rejected, NaN or negative rows never yield a token of
   zero probability when a positive one exists, and ``valid``/``error`` say what
-  was wrong. Shapes and dtypes are checked at trace time.
+  was wrong. Shapes and dtypes are checked at trace time. Host values (lists, NumPy)
+  are converted before the call with clear errors for what JAX cannot hold: ragged
+  lists, ``float128``, and integer ids outside int32 (which would wrap when cast).
 
   Args:
     p: ``(gamma + 1, V)`` floating. Target distributions at the ``gamma``
@@ -348,7 +272,7 @@ verify.__doc__ = """Exact speculative-sampling verification of one draft sequenc
       actually sampled from (after temperature, top-k, top-p).
     draft: ``(gamma,)`` integer token ids in ``[0, V)``.
     uniforms: ``(gamma + 1,)`` floating, each in ``[0, 1)``.
-    num_draft: optional int32 scalar (traced) in ``[0, gamma]``: how many leading
+    num_draft: optional integer scalar (traced) in ``[0, gamma]``: how many leading
       proposals are real, for ragged batches padded to a common ``gamma``. Positions
       at or after it are ignored and the bonus token comes from ``p[num_draft]``, so
       the result equals a call on the unpadded arrays with ``uniforms[:num_draft + 1]``.
@@ -376,18 +300,14 @@ verify.__doc__ = """Exact speculative-sampling verification of one draft sequenc
     Decoding", ICML 2023, arXiv:2211.17192; Chen et al., "Accelerating Large
     Language Model Decoding with Speculative Sampling", arXiv:2302.01318.
   """
+  _, vocab = check_chain("verify", p, q, draft, uniforms)
+  check_scalar("verify", "num_draft", num_draft, INT)
+  return verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
 
 
-def _verify_with_key(key, p, q, draft, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
-  gamma, _ = _check_shapes(p, q, draft, jnp.zeros(draft.shape[0] + 1, p.dtype),
-                           name="verify_with_key")
-  dtype = compute_dtype(p.dtype, q.dtype)
-  uniforms = jax.random.uniform(key, (gamma + 1,), dtype=dtype)
-  return _verify(p, q, draft, uniforms, num_draft=num_draft, pad_id=pad_id)
-
-
-verify_with_key = jax.jit(_verify_with_key, static_argnames=("pad_id",))
-verify_with_key.__doc__ = """:func:`verify` with its ``gamma + 1`` uniforms drawn from a key.
+@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id",))
+def verify_with_key(key, p, q, draft, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
+  """:func:`verify` with its ``gamma + 1`` uniforms drawn from a key.
 
   The uniforms are ``jax.random.uniform(key, (gamma + 1,), dtype)`` in the
   computation dtype (float32 for float32/float16/bfloat16 inputs, float64 under
@@ -407,7 +327,7 @@ verify_with_key.__doc__ = """:func:`verify` with its ``gamma + 1`` uniforms draw
     p: ``(gamma + 1, V)`` target distributions.
     q: ``(gamma, V)`` draft distributions.
     draft: ``(gamma,)`` integer token ids.
-    num_draft: optional int32 scalar in ``[0, gamma]``, as in :func:`verify`.
+    num_draft: optional integer scalar in ``[0, gamma]``, as in :func:`verify`.
     pad_id: static int for the unused slots.
 
   Returns:
@@ -424,3 +344,8 @@ verify_with_key.__doc__ = """:func:`verify` with its ``gamma + 1`` uniforms draw
   Reference:
     Leviathan, Kalman, Matias (2023), arXiv:2211.17192.
   """
+  name = "verify_with_key"
+  gamma, vocab = check_chain(name, p, q, draft, None)
+  check_scalar(name, "num_draft", num_draft, INT)
+  uniforms = key_uniforms(name, key, gamma + 1, compute_dtype(p.dtype, q.dtype))
+  return verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
