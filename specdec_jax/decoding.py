@@ -30,7 +30,14 @@ import numpy as np
 from jax import lax
 
 from specdec_jax._block import block_verify
+from specdec_jax._checks import INT
+from specdec_jax._checks import host_array
+from specdec_jax._checks import is_concrete
+from specdec_jax._errors import ErrorCode
+from specdec_jax._errors import flag
 from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import check_params
+from specdec_jax._logits import params_error
 from specdec_jax._logits import process_logits
 from specdec_jax._logits import sample_draft
 from specdec_jax._sampling import sample_index
@@ -118,12 +125,20 @@ class GenerateResult(NamedTuple):
     lengths: int32 ``(B,)``. Prompt plus new tokens.
     num_new: int32 ``(B,)``. New tokens, ``<= max_new_tokens``.
     stats: :class:`DecodeStats`.
+    error: int32 ``(B,)``. :class:`~specdec_jax.ErrorCode` bits of the row (0 when all was
+      well; decode with :func:`~specdec_jax.describe_error`): ``NONFINITE`` when a
+      distribution the row sampled from was NaN (NaN or ``+inf`` logits from the model),
+      ``TOKEN_OUT_OF_RANGE`` for a prompt id outside ``[0, V)``, ``BAD_PARAMS`` for traced
+      out-of-range sampling parameters or ``eos_id``, ``OUT_OF_ROOM`` when the row stopped
+      because the buffer (``max_len``) or the model's context was full before
+      ``max_new_tokens`` or ``eos_id``.
   """
 
   tokens: jax.Array
   lengths: jax.Array
   num_new: jax.Array
   stats: DecodeStats
+  error: jax.Array
 
 
 class SpeculativeResult(NamedTuple):
@@ -135,8 +150,9 @@ class SpeculativeResult(NamedTuple):
     num_new: int32 ``(B,)``. New tokens, ``<= max_new_tokens``.
     stats: :class:`DecodeStats`.
     error: int32 ``(B,)``. Bitwise OR of the verifier's
-      :class:`~specdec_jax.ErrorCode` masks over the row's steps (0 when every step was
-      valid; decode with :func:`~specdec_jax.describe_error`).
+      :class:`~specdec_jax.ErrorCode` masks over the row's steps and the loop's own bits
+      (as in :class:`GenerateResult`); 0 when everything was valid (decode with
+      :func:`~specdec_jax.describe_error`).
   """
 
   tokens: jax.Array
@@ -162,6 +178,7 @@ class _Common(NamedTuple):
   stop_len: jax.Array  # (B,) int32: a row is finished once its length reaches it
   params: SamplingParams  # fields (B,) or None
   eos_id: jax.Array  # () int32, -1 for none
+  room: jax.Array  # (B,) bool: the row's budget does not fit its buffer / context
 
 
 class _GenerateState(NamedTuple):
@@ -174,6 +191,7 @@ class _GenerateState(NamedTuple):
     cache: the target's cache.
     target_calls: int32 ``()``.
     row_calls: int32 ``(B,)``.
+    error: int32 ``(B,)``.
   """
 
   tokens: jax.Array
@@ -182,6 +200,7 @@ class _GenerateState(NamedTuple):
   cache: Any
   target_calls: jax.Array
   row_calls: jax.Array
+  error: jax.Array
 
 
 class _SpecState(NamedTuple):
@@ -222,10 +241,6 @@ class _SpecState(NamedTuple):
 # Host-side argument handling (runs once per call, outside jit).
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
 def _fns(model: Model, name: str, arg: str) -> _Fns:
   if not isinstance(model, Model):
     raise TypeError(
@@ -234,9 +249,10 @@ def _fns(model: Model, name: str, arg: str) -> _Fns:
   return _Fns(model.apply, model.init_cache, int(model.vocab_size))
 
 
-def _check_prompt(prompt_tokens, prompt_lengths, name: str):
-  prompt_tokens = jnp.asarray(prompt_tokens)
-  prompt_lengths = jnp.asarray(prompt_lengths)
+def _check_prompt(prompt_tokens, prompt_lengths, name: str, vocab: int):
+  """Shapes and dtypes always; values when the host can read them (raise), else flagged in jit."""
+  prompt_tokens = jnp.asarray(host_array(name, "prompt_tokens", prompt_tokens, INT))
+  prompt_lengths = jnp.asarray(host_array(name, "prompt_lengths", prompt_lengths, INT))
   if prompt_tokens.ndim != 2 or prompt_tokens.shape[1] < 1:
     raise ValueError(
       f"{name}: `prompt_tokens` must have shape (B, P) with P >= 1, got "
@@ -250,14 +266,26 @@ def _check_prompt(prompt_tokens, prompt_lengths, name: str):
       f"{name}: `prompt_lengths` must be an integer array of shape (B,) = ({batch},), got "
       f"{prompt_lengths.dtype}{tuple(prompt_lengths.shape)} instead."
     )
-  if _is_concrete(prompt_lengths):
+  if is_concrete(prompt_lengths):
     lengths = np.asarray(prompt_lengths)
     if lengths.size and not ((lengths >= 1).all() and (lengths <= width).all()):
       raise ValueError(
         f"{name}: `prompt_lengths` must be in [1, P] = [1, {width}], got {lengths.tolist()} "
         "instead."
       )
-  return prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32)
+    if is_concrete(prompt_tokens):
+      tokens = np.asarray(prompt_tokens)
+      real = np.arange(width)[None, :] < lengths[:, None]
+      bad = real & ((tokens < 0) | (tokens >= vocab))
+      if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+          f"{name}: `prompt_tokens` ids must be in [0, V) = [0, {vocab}) within each row's "
+          f"length, got {int(tokens[row, col])} at (row {row}, position {col})."
+        )
+  # Compare in the tokens' own dtype before the int32 cast, so nothing wraps into range.
+  tokens_ok = (prompt_tokens >= 0) & (prompt_tokens < vocab)
+  return prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), tokens_ok
 
 
 def _row_keys(key, batch: int, name: str) -> jax.Array:
@@ -276,58 +304,68 @@ def _row_keys(key, batch: int, name: str) -> jax.Array:
 
 
 def _batch_params(params: SamplingParams, batch: int, name: str) -> SamplingParams:
-  """Broadcast every field to ``(B,)`` (scalars shared by the batch, or one value per row)."""
-  if not isinstance(params, SamplingParams):
-    raise TypeError(
-      f"{name}: `params` must be a SamplingParams, got {type(params).__name__} instead."
-    )
+  """Check (:func:`~specdec_jax._logits.check_params`) and broadcast every field to ``(B,)``."""
+  check_params(params, name, batch)
   dtypes = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32}
   fields = {}
   for field, value in zip(params._fields, params, strict=True):
     if value is None:
-      if field == "temperature":
-        raise ValueError(f"{name}: `params.temperature` must be a number, got None instead.")
       fields[field] = None
       continue
     array = jnp.asarray(value)
-    if array.shape not in ((), (batch,)):
-      raise ValueError(
-        f"{name}: `params.{field}` must be a scalar or have shape (B,) = ({batch},), got "
-        f"{tuple(array.shape)} instead."
-      )
-    if field == "top_k" and not jnp.issubdtype(array.dtype, jnp.integer):
-      raise TypeError(f"{name}: `params.top_k` must be an integer, got dtype {array.dtype}.")
-    if _is_concrete(array):
-      v = np.asarray(array, np.float64)
-      ok = {"temperature": v >= 0, "top_k": v >= 0, "top_p": (v > 0) & (v <= 1)}[field]
-      if not np.all(ok):
-        expected = {"temperature": ">= 0", "top_k": ">= 0 (0 disables)", "top_p": "in (0, 1]"}
-        raise ValueError(
-          f"{name}: `params.{field}` must be {expected[field]}, got {v.tolist()} instead."
-        )
+    if field == "top_k":  # clip in its own dtype before the cast (no wrap-around)
+      array = jnp.clip(array, -1, np.iinfo(np.int32).max)
     fields[field] = jnp.broadcast_to(array.astype(dtypes[field]), (batch,))
   return SamplingParams(**fields)
 
 
-def _check_budget(max_new_tokens, max_len, width: int, name: str) -> int:
-  if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+def _check_budget(max_new_tokens, max_len, width: int, lengths, name: str,
+                  contexts: tuple[tuple[str, int | None], ...]) -> tuple[int, int | None]:
+  """``(max_len, context)``: the static buffer length and the models' context (``None``: none).
+
+  A row needs ``length + max_new_tokens`` slots; with concrete lengths a budget that does
+  not fit the buffer or a model's context raises, with traced lengths the rows that run out
+  of room stop early and are flagged ``OUT_OF_ROOM``.
+  """
+  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer)
+      or max_new_tokens < 1):
     raise ValueError(f"{name}: `max_new_tokens` must be an int >= 1, got {max_new_tokens!r}.")
   if max_len is None:
-    return width + int(max_new_tokens)
-  if not isinstance(max_len, int | np.integer) or max_len < width:
+    max_len = width + int(max_new_tokens)
+  elif isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < width:
     raise ValueError(
       f"{name}: `max_len` must be an int >= P = {width} (the prompt width), got {max_len!r} "
       "instead."
     )
-  return int(max_len)
+  known = [(arg, int(c)) for arg, c in contexts if c is not None]
+  context = min((c for _, c in known), default=None)
+  if is_concrete(lengths):
+    need = int(np.max(np.asarray(lengths))) + int(max_new_tokens)
+    if need > max_len:
+      raise ValueError(
+        f"{name}: `max_len` = {max_len} has no room for the longest prompt plus "
+        f"`max_new_tokens` = {need} tokens; pass max_len >= {need} (or None)."
+      )
+    for arg, c in known:
+      if need > c:
+        raise ValueError(
+          f"{name}: the longest prompt plus `max_new_tokens` is {need} tokens, more than the "
+          f"{c} positions the `{arg}` model was trained for (its context_length)."
+        )
+  return int(max_len), context
 
 
-def _eos(eos_id, name: str) -> jax.Array:
+def _eos(eos_id, name: str, vocab: int) -> jax.Array:
   if eos_id is None:
     return jnp.int32(-1)
-  if _is_concrete(eos_id) and int(eos_id) < 0:
-    raise ValueError(f"{name}: `eos_id` must be a token id >= 0 or None, got {eos_id!r}.")
-  return jnp.asarray(eos_id, jnp.int32)
+  eos = host_array(name, "eos_id", eos_id, INT)
+  if jnp.shape(eos) != ():
+    raise ValueError(f"{name}: `eos_id` must be one token id, got shape {jnp.shape(eos)}.")
+  if is_concrete(eos) and not 0 <= int(eos) < vocab:
+    raise ValueError(
+      f"{name}: `eos_id` must be a token id in [0, V) = [0, {vocab}) or None, got {eos_id!r}."
+    )
+  return jnp.clip(jnp.asarray(eos), -1, vocab).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,24 +435,57 @@ def _advance(tokens, lengths, done, new, counts, common: _Common):
   return tokens, lengths, done, counts
 
 
+def _nonfinite(probs: jax.Array) -> jax.Array:
+  """``NONFINITE`` for each row ``(B, ..., V)`` whose processed distribution is NaN, else 0."""
+  bad = jnp.isnan(jnp.sum(probs, axis=-1))
+  return flag(bad.reshape(bad.shape[0], -1).any(axis=1), ErrorCode.NONFINITE)
+
+
+def _common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id, *, max_new_tokens: int,
+            max_len: int, context: int | None, vocab: int) -> tuple[_Common, jax.Array]:
+  """The per-row constants of a loop and each row's error bits from its arguments.
+
+  A row stops at ``min(length + max_new_tokens, max_len, context)``; ``room`` marks the rows
+  whose budget does not fit. Bits: a prompt id outside ``[0, V)`` (TOKEN_OUT_OF_RANGE), a
+  sampling parameter or ``eos_id`` out of range (BAD_PARAMS; traced values only, concrete
+  ones raised on the host).
+  """
+  capacity = max_len if context is None else min(max_len, context)
+  want = prompt_lengths + max_new_tokens
+  stop_len = jnp.minimum(want, capacity)
+  real = jnp.arange(prompt.shape[1], dtype=jnp.int32)[None] < prompt_lengths[:, None]
+  bad_eos = (eos_id < -1) | (eos_id >= vocab)  # -1: no eos
+  error = (flag(jnp.any(real & ~tokens_ok, axis=1), ErrorCode.TOKEN_OUT_OF_RANGE)
+           | jax.vmap(params_error)(params) | flag(bad_eos, ErrorCode.BAD_PARAMS))
+  return _Common(row_keys, prompt_lengths, stop_len, params, eos_id, want > capacity), error
+
+
+def _out_of_room(error, tokens, lengths, common: _Common) -> jax.Array:
+  """Add ``OUT_OF_ROOM`` to the rows that stopped at a full buffer or context, not at eos."""
+  last = tokens[_rows(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
+  cut = common.room & (lengths >= common.stop_len) & (last != common.eos_id)
+  return error | flag(cut, ErrorCode.OUT_OF_ROOM)
+
+
 def _first_token(logits, common: _Common):
-  """Sample each row's first new token from its prefill logits (key ``fold_in(row_key, 0)``)."""
+  """Each row's first new token from its prefill logits (key ``fold_in(row_key, 0)``), and
+  ``NONFINITE`` bits for rows whose distribution was NaN."""
   probs = _probs(logits, common.params)
   u = jax.vmap(lambda k: _uniform(jax.random.fold_in(k, 0)))(common.row_keys)
-  return jax.vmap(sample_index)(probs, u)[:, None]
+  return jax.vmap(sample_index)(probs, u)[:, None], _nonfinite(probs)
 
 
 def _start(target: _Fns, target_params, prompt, common: _Common, max_len: int, cache_len: int,
            pad_id: int):
-  """Prefill the target, emit the first token: ``(tokens, lengths, done, cache)``."""
+  """Prefill the target, emit the first token: ``(tokens, lengths, done, cache, error)``."""
   tokens = _init_buffer(prompt, common.prompt_lengths, max_len, pad_id)
   logits, cache = _prefill(target, target_params, prompt, common.prompt_lengths, cache_len)
   lengths = common.prompt_lengths
   done = lengths >= common.stop_len
-  first = _first_token(logits, common)
+  first, error = _first_token(logits, common)
   ones = jnp.ones_like(lengths)
   tokens, lengths, done, _ = _advance(tokens, lengths, done, first, ones, common)
-  return tokens, lengths, done, cache
+  return tokens, lengths, done, cache, jnp.where(common.prompt_lengths < common.stop_len, error, 0)
 
 
 def _stats(target_calls, draft_calls, row_calls, proposals, accepted, proposed_at, accepted_at,
@@ -453,28 +524,32 @@ def _after_verify(s: _SpecState, result, common: _Common, *, active, target_cach
   )
 
 
-def _speculative_result(s: _SpecState, prompt_lengths) -> SpeculativeResult:
-  num_new = s.lengths - prompt_lengths
+def _speculative_result(s: _SpecState, common: _Common) -> SpeculativeResult:
+  num_new = s.lengths - common.prompt_lengths
   stats = _stats(s.target_calls, s.draft_calls, s.row_calls, s.proposals, s.accepted,
                  s.proposed_at, s.accepted_at, num_new)
-  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, s.error)
+  error = _out_of_room(s.error, s.tokens, s.lengths, common)
+  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, error)
 
 
 # ---------------------------------------------------------------------------------------------
 # Plain autoregressive decoding.
 
 
-def _generate_impl(target_params, prompt, prompt_lengths, row_keys, params, eos_id, *,
-                   target: _Fns, max_new_tokens: int, max_len: int, pad_id: int):
+def _generate_impl(target_params, prompt, prompt_lengths, tokens_ok, row_keys, params, eos_id, *,
+                   target: _Fns, max_new_tokens: int, max_len: int, context: int | None,
+                   pad_id: int):
   batch = prompt.shape[0]
   rows = _rows(batch)
-  stop_len = jnp.minimum(prompt_lengths + max_new_tokens, max_len)
-  common = _Common(row_keys, prompt_lengths, stop_len, params, eos_id)
-  tokens, lengths, done, cache = _start(target, target_params, prompt, common, max_len, max_len,
-                                        pad_id)
+  common, error = _common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
+                          max_new_tokens=max_new_tokens, max_len=max_len, context=context,
+                          vocab=target.vocab_size)
+  tokens, lengths, done, cache, first_error = _start(target, target_params, prompt, common,
+                                                     max_len, max_len, pad_id)
   zero = jnp.int32(0)
   state = _GenerateState(tokens, lengths, done, cache, zero + 1,
-                         (prompt_lengths < stop_len).astype(jnp.int32))
+                         (prompt_lengths < common.stop_len).astype(jnp.int32),
+                         error | first_error)
 
   def cond(s: _GenerateState):
     return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
@@ -491,18 +566,20 @@ def _generate_impl(target_params, prompt, prompt_lengths, row_keys, params, eos_
     tokens, lengths, done, _ = _advance(s.tokens, s.lengths, s.done, new,
                                         jnp.ones_like(s.lengths), common)
     return _GenerateState(tokens, lengths, done, cache, s.target_calls + 1,
-                          s.row_calls + active.astype(jnp.int32))
+                          s.row_calls + active.astype(jnp.int32),
+                          s.error | jnp.where(active, _nonfinite(probs), 0))
 
   s = lax.while_loop(cond, body, state)
   num_new = s.lengths - prompt_lengths
   empty = jnp.zeros((batch, 0), jnp.int32)
   stats = _stats(s.target_calls, zero, s.row_calls, jnp.zeros_like(num_new),
                  jnp.zeros_like(num_new), empty, empty, num_new)
-  return GenerateResult(s.tokens, s.lengths, num_new, stats)
+  return GenerateResult(s.tokens, s.lengths, num_new, stats,
+                        _out_of_room(s.error, s.tokens, s.lengths, common))
 
 
 _generate_jit = jax.jit(
-  _generate_impl, static_argnames=("target", "max_new_tokens", "max_len", "pad_id"))
+  _generate_impl, static_argnames=("target", "max_new_tokens", "max_len", "context", "pad_id"))
 
 
 def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
@@ -553,12 +630,14 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
   """
   name = "generate"
   fns = _fns(model, name, "model")
-  prompt, lengths = _check_prompt(prompt_tokens, prompt_lengths, name)
+  prompt, lengths, tokens_ok = _check_prompt(prompt_tokens, prompt_lengths, name, fns.vocab_size)
   batch, width = prompt.shape
-  max_len = _check_budget(max_new_tokens, max_len, width, name)
-  return _generate_jit(model.params, prompt, lengths, _row_keys(key, batch, name),
-                       _batch_params(params, batch, name), _eos(eos_id, name), target=fns,
-                       max_new_tokens=int(max_new_tokens), max_len=max_len, pad_id=int(pad_id))
+  max_len, context = _check_budget(max_new_tokens, max_len, width, lengths, name,
+                                   (("model", model.context_length),))
+  return _generate_jit(model.params, prompt, lengths, tokens_ok, _row_keys(key, batch, name),
+                       _batch_params(params, batch, name), _eos(eos_id, name, fns.vocab_size),
+                       target=fns, max_new_tokens=int(max_new_tokens), max_len=max_len,
+                       context=context, pad_id=int(pad_id))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,17 +721,20 @@ def _propose_lookup(spec: PromptLookup, tokens, lengths, *, gamma: int, vocab: i
 # Speculative decoding.
 
 
-def _speculative_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, params,
-                      eos_id, *, target: _Fns, draft: _Fns | PromptLookup, verifier: Verifier,
-                      gamma: int, max_new_tokens: int, max_len: int, pad_id: int):
+def _speculative_impl(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys,
+                      params, eos_id, *, target: _Fns, draft: _Fns | PromptLookup,
+                      verifier: Verifier, gamma: int, max_new_tokens: int, max_len: int,
+                      context: int | None, pad_id: int):
   batch = prompt.shape[0]
   rows = _rows(batch)
   vocab = target.vocab_size
   cache_len = max_len + gamma  # positions fed never pass L - 1 + gamma <= max_len + gamma - 1
-  stop_len = jnp.minimum(prompt_lengths + max_new_tokens, max_len)
-  common = _Common(row_keys, prompt_lengths, stop_len, params, eos_id)
-  tokens, lengths, done, target_cache = _start(target, target_params, prompt, common, max_len,
-                                               cache_len, pad_id)
+  common, error = _common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
+                          max_new_tokens=max_new_tokens, max_len=max_len, context=context,
+                          vocab=vocab)
+  stop_len = common.stop_len
+  tokens, lengths, done, target_cache, first_error = _start(target, target_params, prompt, common,
+                                                            max_len, cache_len, pad_id)
   zero = jnp.int32(0)
   is_model = isinstance(draft, _Fns)
   if is_model:
@@ -663,7 +745,8 @@ def _speculative_impl(target_params, draft_params, prompt, prompt_lengths, row_k
   counts = jnp.zeros((batch,), jnp.int32)
   at = jnp.zeros((batch, gamma), jnp.int32)
   state = _SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, draft_calls,
-                     (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at, counts)
+                     (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at,
+                     error | first_error)
   slots = jnp.arange(gamma + 1, dtype=jnp.int32)
 
   def cond(s: _SpecState):
@@ -697,12 +780,13 @@ def _speculative_impl(target_params, draft_params, prompt, prompt_lengths, row_k
                          draft_cache=draft_cache, draft_calls=draft_calls, proposals=num_draft,
                          depth=num_draft)
 
-  return _speculative_result(lax.while_loop(cond, body, state), prompt_lengths)
+  return _speculative_result(lax.while_loop(cond, body, state), common)
 
 
 _speculative_jit = jax.jit(
   _speculative_impl,
-  static_argnames=("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "pad_id"),
+  static_argnames=("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "context",
+                   "pad_id"),
 )
 
 
@@ -817,14 +901,18 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
     raise TypeError(f"{name}: `verifier` must be a name or a function, got {verifier!r}.")
   if not isinstance(gamma, int | np.integer) or gamma < 1:
     raise ValueError(f"{name}: `gamma` must be an int >= 1, got {gamma!r} instead.")
-  prompt, lengths = _check_prompt(prompt_tokens, prompt_lengths, name)
+  vocab = target_fns.vocab_size
+  prompt, lengths, tokens_ok = _check_prompt(prompt_tokens, prompt_lengths, name, vocab)
   batch, width = prompt.shape
-  max_len = _check_budget(max_new_tokens, max_len, width, name)
-  return _speculative_jit(target.params, draft_params, prompt, lengths,
+  contexts = (("target", target.context_length),
+              ("draft", None if isinstance(draft, PromptLookup) else draft.context_length))
+  max_len, context = _check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
+  return _speculative_jit(target.params, draft_params, prompt, lengths, tokens_ok,
                           _row_keys(key, batch, name), _batch_params(params, batch, name),
-                          _eos(eos_id, name), target=target_fns, draft=draft_static,
+                          _eos(eos_id, name, vocab), target=target_fns, draft=draft_static,
                           verifier=verifier, gamma=int(gamma),
-                          max_new_tokens=int(max_new_tokens), max_len=max_len, pad_id=int(pad_id))
+                          max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
+                          pad_id=int(pad_id))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -966,9 +1054,9 @@ def _tree_candidates(logits, key, params, width: int, law: str):
   return jax.vmap(sample_index, in_axes=(None, 0))(q, u), q
 
 
-def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, params, eos_id, *,
-               target: _Fns, draft: _Fns, tree: DraftTree, law: str, tree_verifier,
-               max_new_tokens: int, max_len: int, pad_id: int):
+def _tree_impl(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params,
+               eos_id, *, target: _Fns, draft: _Fns, tree: DraftTree, law: str, tree_verifier,
+               max_new_tokens: int, max_len: int, context: int | None, pad_id: int):
   batch = prompt.shape[0]
   rows = _rows(batch)
   vocab = target.vocab_size
@@ -983,17 +1071,19 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
   # Nodes of depth <= d are a prefix (breadth-first order): num_nodes for a depth budget d.
   level_end = jnp.asarray([int((depths <= d).sum()) for d in range(depth + 1)], jnp.int32)
   cache_len = max_len + size - 1  # tree slots reach root + N - 1 <= max_len + N - 2
-  stop_len = jnp.minimum(prompt_lengths + max_new_tokens, max_len)
-  common = _Common(row_keys, prompt_lengths, stop_len, params, eos_id)
-  tokens, lengths, done, target_cache = _start(target, target_params, prompt, common, max_len,
-                                               cache_len, pad_id)
+  common, error = _common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
+                          max_new_tokens=max_new_tokens, max_len=max_len, context=context,
+                          vocab=vocab)
+  stop_len = common.stop_len
+  tokens, lengths, done, target_cache, first_error = _start(target, target_params, prompt, common,
+                                                            max_len, cache_len, pad_id)
   _, draft_cache = _prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
   zero = jnp.int32(0)
   counts = jnp.zeros((batch,), jnp.int32)
   at = jnp.zeros((batch, depth), jnp.int32)
   state = _SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, zero + 1,
                      (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at,
-                     counts)
+                     error | first_error)
   slots = jnp.arange(depth, dtype=jnp.int32)
   all_nodes = jnp.arange(size, dtype=jnp.int32)
   candidates = jax.vmap(jax.vmap(_tree_candidates, in_axes=(0, 0, None, None, None)),
@@ -1054,13 +1144,13 @@ def _tree_impl(target_params, draft_params, prompt, prompt_lengths, row_keys, pa
                          draft_cache=draft_cache, draft_calls=s.draft_calls + depth,
                          proposals=jnp.where(active, num_nodes - 1, 0), depth=budget)
 
-  return _speculative_result(lax.while_loop(cond, body, state), prompt_lengths)
+  return _speculative_result(lax.while_loop(cond, body, state), common)
 
 
 _tree_jit = jax.jit(
   _tree_impl,
   static_argnames=("target", "draft", "tree", "law", "tree_verifier", "max_new_tokens",
-                   "max_len", "pad_id"),
+                   "max_len", "context", "pad_id"),
 )
 
 
@@ -1181,13 +1271,16 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
     tree_verifier = _default_tree_verifier(law, tree.depth)
   elif not callable(tree_verifier):
     raise TypeError(f"{name}: `tree_verifier` must be a function, got {tree_verifier!r}.")
-  prompt, lengths = _check_prompt(prompt_tokens, prompt_lengths, name)
+  vocab = target_fns.vocab_size
+  prompt, lengths, tokens_ok = _check_prompt(prompt_tokens, prompt_lengths, name, vocab)
   batch, width = prompt.shape
-  max_len = _check_budget(max_new_tokens, max_len, width, name)
-  return _tree_jit(target.params, draft.params, prompt, lengths, _row_keys(key, batch, name),
-                   _batch_params(params, batch, name), _eos(eos_id, name), target=target_fns,
-                   draft=draft_fns, tree=tree, law=law, tree_verifier=tree_verifier,
-                   max_new_tokens=int(max_new_tokens), max_len=max_len, pad_id=int(pad_id))
+  contexts = (("target", target.context_length), ("draft", draft.context_length))
+  max_len, context = _check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
+  return _tree_jit(target.params, draft.params, prompt, lengths, tokens_ok,
+                   _row_keys(key, batch, name), _batch_params(params, batch, name),
+                   _eos(eos_id, name, vocab), target=target_fns, draft=draft_fns, tree=tree,
+                   law=law, tree_verifier=tree_verifier, max_new_tokens=int(max_new_tokens),
+                   max_len=max_len, context=context, pad_id=int(pad_id))
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specdec_jax import ErrorCode
 from specdec_jax import SamplingParams
 from specdec_jax import verify
 from specdec_jax.decoding import VERIFIERS
@@ -325,7 +326,8 @@ def test_eos_stops_rows(kind):
 
 
 def test_max_len_and_small_budgets():
-  """A buffer shorter than prompt + max_new_tokens: each row stops when it is full.
+  """A buffer shorter than prompt + max_new_tokens: raises when the lengths are concrete; with
+  traced lengths each row stops when it is full and says so (``OUT_OF_ROOM``).
 
   With ``max_len = 7`` the rows get 1 (the prefill token only), 2, 4 and 6 new tokens:
   budgets at and below ``gamma + 1``, where the proposals are cut to fit.
@@ -333,15 +335,22 @@ def test_max_len_and_small_budgets():
   plain = np.asarray(_plain_greedy().tokens)
   max_len = 7
   common = dict(max_new_tokens=MAX_NEW, params=GREEDY, max_len=max_len)
-  gen = generate(TARGET, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), **common)
-  spec = speculative_generate(TARGET, NEAR, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), gamma=5,
-                              **common)
+  for fn in (generate, functools.partial(speculative_generate, draft=NEAR, gamma=5)):
+    with pytest.raises(ValueError, match=r"`max_len` = 7 has no room for the longest prompt"):
+      fn(TARGET, prompt_tokens=PROMPTS, prompt_lengths=PROMPT_LENGTHS, key=jax.random.key(0),
+         **common)
+  gen = jax.jit(lambda lengths: generate(TARGET, PROMPTS, lengths, jax.random.key(0), **common))(
+    PROMPT_LENGTHS)
+  spec = jax.jit(lambda lengths: speculative_generate(
+    TARGET, NEAR, PROMPTS, lengths, jax.random.key(0), gamma=5, **common))(PROMPT_LENGTHS)
   expected = np.minimum(PROMPT_LENGTHS + MAX_NEW, max_len)
+  cut = PROMPT_LENGTHS + MAX_NEW > max_len
   for out in (gen, spec):
     assert out.tokens.shape == (len(PROMPTS), max_len)
     np.testing.assert_array_equal(out.lengths, expected)
     np.testing.assert_array_equal(out.num_new, expected - PROMPT_LENGTHS)
     np.testing.assert_array_equal(out.tokens, plain[:, :max_len])
+    np.testing.assert_array_equal(out.error, np.where(cut, int(ErrorCode.OUT_OF_ROOM), 0))
   _check_stats(spec.stats, spec.num_new, 5, "model")
   np.testing.assert_array_equal(spec.stats.row_target_calls[PROMPT_LENGTHS == 6], 1)
   np.testing.assert_array_equal(spec.stats.proposals[PROMPT_LENGTHS == 6], 0)

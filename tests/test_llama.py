@@ -212,12 +212,22 @@ def test_vmap_over_independent_caches(setup):
     np.testing.assert_allclose(np.asarray(logits[i, 0]), _full(model, seqs[i, 0]), **JAX_TOL)
 
 
-def test_positions_outside_the_cache_are_not_written(setup):
+def test_positions_outside_the_cache_raise_when_concrete_and_give_nan_when_traced(setup):
   _, _, model, tokens = setup
   _, cache = _run(model, tokens[None, :4], np.arange(4)[None], model.init_cache(1, 4))
-  _, after = _run(model, tokens[None, 4:6], np.array([[4, 5]]), cache)
+  with pytest.raises(ValueError, match=r"llama apply: `positions` must address cache slots in "
+                     r"\[0, max_len\) = \[0, 4\), got 4 at index \(0, 0\)"):
+    _run(model, tokens[None, 4:6], np.array([[4, 5]]), cache)
+  with pytest.raises(ValueError, match=r"`tokens` ids must be in \[0, V\)"):
+    _run(model, np.array([[model.vocab_size]]), np.array([[0]]), cache)
+  # Traced: the write is dropped, and the logits of those tokens are NaN (reported downstream),
+  # while a token inside the cache in the same call is computed as usual.
+  logits, after = jax.jit(model.apply)(model.params, jnp.asarray(tokens[None, 3:5]),
+                                       jnp.array([[3, 4]]), cache)
+  assert np.isnan(np.asarray(logits[0, 1])).all() and np.isfinite(np.asarray(logits[0, 0])).all()
   np.testing.assert_array_equal(np.asarray(after.k), np.asarray(cache.k))
   np.testing.assert_array_equal(np.asarray(after.v), np.asarray(cache.v))
+  assert model.context_length == CONFIG.max_position
 
 
 def _interleaved_rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:

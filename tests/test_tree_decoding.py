@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specdec_jax import ErrorCode
 from specdec_jax import SamplingParams
 from specdec_jax import tree_verify
 from specdec_jax.decoding import DraftTree
@@ -236,14 +237,18 @@ def test_eos_and_small_buffers():
   np.testing.assert_array_equal(out.lengths, plain.lengths)
   assert (np.asarray(out.num_new) < MAX_NEW).any()  # some rows stopped at the eos
   _check_stats(out, TREES["wide"], eos=True)
-  # A buffer of 7: the rows get 1, 2, 4 and 6 new tokens, budgets below the tree's depth.
+  # A buffer of 7 (with traced lengths: concrete ones that do not fit raise): the rows get
+  # 1, 2, 4 and 6 new tokens, budgets below the tree's depth, and say they ran out of room.
   small = dict(max_new_tokens=MAX_NEW, params=GREEDY, max_len=7)
-  ref = generate(TARGET, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), **small)
-  out = tree_speculative_generate(TARGET, NEAR, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
-                                  tree=TREES["eagle"], **small)
+  ref = jax.jit(lambda n: generate(TARGET, PROMPTS, n, jax.random.key(0), **small))(
+    PROMPT_LENGTHS)
+  out = jax.jit(lambda n: tree_speculative_generate(TARGET, NEAR, PROMPTS, n, jax.random.key(0),
+                                                    tree=TREES["eagle"], **small))(PROMPT_LENGTHS)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.num_new, np.minimum(PROMPT_LENGTHS + MAX_NEW, 7)
                                 - PROMPT_LENGTHS)
+  np.testing.assert_array_equal(out.error, ref.error)
+  assert (np.asarray(out.error) == ErrorCode.OUT_OF_ROOM).any()
   _check_stats(out, TREES["eagle"])
 
 

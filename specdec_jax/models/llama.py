@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specdec_jax._checks import is_concrete
 from specdec_jax.models.protocol import Model
 
 
@@ -287,7 +288,11 @@ def _forward(params: LlamaParams, tokens: jax.Array, positions: jax.Array, slots
   x = _rms_norm(x, params.final_norm, c.norm_eps)
   head = params.embed if params.output is None else params.output
   logits = jnp.einsum("btd,vd->btv", x, head)
-  return logits, cache
+  # A token whose slot is outside the cache was not written (the write is dropped): its
+  # logits would silently differ from the true ones, so they are NaN (like those of an
+  # out-of-range token id), which every loop and verifier reading them reports.
+  outside = (slots < 0) | (slots >= cache.k.shape[3])
+  return jnp.where(outside[..., None], jnp.nan, logits), cache
 
 
 def llama_apply(
@@ -306,7 +311,10 @@ def llama_apply(
     tokens: int32 ``(B, T)``, ids in ``[0, V)`` (ids outside give NaN logits).
     positions: int32 ``(B, T)``, the absolute position of each token; rows may differ (ragged
       batches). Token ``(b, t)`` is written to slot ``positions[b, t]`` and attends to slots
-      ``0 .. positions[b, t]``; positions outside ``[0, max_len)`` are not written.
+      ``0 .. positions[b, t]``. Positions outside ``[0, max_len)`` raise ``ValueError`` when
+      concrete (the :class:`Model`'s ``apply`` checks them); traced, they are not written and
+      their logits are NaN. Positions past ``config.max_position`` are computed, but outside
+      the range the model was trained for: the decoding loops never go there.
     cache: :class:`KVCache` from :func:`init_cache` with one entry per layer run.
     config: the static model shape.
     layers: static tuple of the layer indices to run, in order (``None``: all). The final
@@ -432,8 +440,10 @@ def make_model(
 
   Returns:
     :class:`Model` with ``apply(params, tokens (B, T), positions (B, T), cache)
-    -> (logits (B, T, V) float32, cache)``, ``init_cache(batch, max_len)``, and the tree
-    functions :func:`llama_tree_apply` and :func:`copy_slots`.
+    -> (logits (B, T, V) float32, cache)``, ``init_cache(batch, max_len)``, the tree
+    functions :func:`llama_tree_apply` and :func:`copy_slots`, and ``context_length =
+    config.max_position``. Called with concrete arguments, ``apply`` and ``tree_apply``
+    raise on token ids outside ``[0, V)`` and on cache slots outside ``[0, max_len)``.
   """
   _check_config(config)
   layer_ids = None if layers is None else tuple(int(i) for i in layers)
@@ -448,7 +458,7 @@ def make_model(
   apply, make_cache, tree_apply = _functions(config, layer_ids)
   return Model(
     params=params, apply=apply, init_cache=make_cache, vocab_size=config.vocab_size, name=name,
-    tree_apply=tree_apply, copy_slots=_copy_slots_jit,
+    tree_apply=tree_apply, copy_slots=_copy_slots_jit, context_length=config.max_position,
   )
 
 
@@ -462,7 +472,57 @@ def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
   n_run = config.n_layers if layers is None else len(layers)
   apply = jax.jit(functools.partial(llama_apply, config=config, layers=layers))
   tree_apply = jax.jit(functools.partial(llama_tree_apply, config=config, layers=layers))
-  return apply, functools.partial(init_cache, config, n_layers=n_run), tree_apply
+  return (_checked_apply(apply, config.vocab_size), functools.partial(init_cache, config,
+                                                                       n_layers=n_run),
+          _checked_tree_apply(tree_apply, config.vocab_size))
+
+
+def _check_ids(fn: str, tokens, vocab: int) -> None:
+  if is_concrete(tokens):
+    ids = np.asarray(tokens)
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+      index = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"{fn}: `tokens` ids must be in [0, V) = [0, {vocab}), got "
+                       f"{int(ids[index])} at index {index}.")
+
+
+def _check_slots(fn: str, arg: str, slots, size: int) -> None:
+  if is_concrete(slots):
+    where = np.asarray(slots)
+    bad = (where < 0) | (where >= size)
+    if bad.any():
+      index = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(
+        f"{fn}: `{arg}` must address cache slots in [0, max_len) = [0, {size}), got "
+        f"{int(where[index])} at index {index}; make the cache longer (init_cache)."
+      )
+
+
+def _checked_apply(apply, vocab: int):
+  """``apply`` that raises on concrete out-of-range ids or slots (traced ones give NaN logits)."""
+
+  @functools.wraps(apply)
+  def checked(params, tokens, positions, cache):
+    _check_ids("llama apply", tokens, vocab)
+    _check_slots("llama apply", "positions", positions, cache.k.shape[3])
+    return apply(params, tokens, positions, cache)
+
+  return checked
+
+
+def _checked_tree_apply(tree_apply, vocab: int):
+  """``tree_apply`` with the checks of :func:`_checked_apply` (slots are ``start + nodes``)."""
+
+  @functools.wraps(tree_apply)
+  def checked(params, tokens, positions, cache, start, nodes, tree_mask):
+    _check_ids("llama tree_apply", tokens, vocab)
+    if is_concrete(start) and is_concrete(nodes):
+      slots = np.asarray(start)[:, None] + np.asarray(nodes)[None, :]
+      _check_slots("llama tree_apply", "start + nodes", slots, cache.k.shape[3])
+    return tree_apply(params, tokens, positions, cache, start, nodes, tree_mask)
+
+  return checked
 
 
 _copy_slots_jit = jax.jit(copy_slots)

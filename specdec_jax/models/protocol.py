@@ -54,6 +54,9 @@ class Model(NamedTuple):
     tree_apply: optional tree-attention forward (see the module docstring); needed by
       :func:`~specdec_jax.decoding.tree_speculative_generate`.
     copy_slots: optional ``copy_slots(cache, src, dst) -> cache``; needed with ``tree_apply``.
+    context_length: optional number of positions the model was trained for (its context
+      window). The decoding loops never generate past it: a budget that does not fit raises
+      when the lengths are concrete, and rows that reach it stop with ``OUT_OF_ROOM``.
   """
 
   params: Any
@@ -63,3 +66,4 @@ class Model(NamedTuple):
   name: str = "model"
   tree_apply: Callable[..., Any] | None = None
   copy_slots: Callable[..., Any] | None = None
+  context_length: int | None = None
