@@ -402,6 +402,49 @@ def summarize(runs: Sequence[Run], out=sys.stdout) -> None:
           f"{speeds.mean():.2f}x ({speeds.min():.2f} .. {speeds.max():.2f})", file=out)
 
 
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+  return value
+
+
+def _seed(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+  if not 0 <= value < 2**32:
+    raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {value}")
+  return value
+
+
+def _temperature(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+  if not 0 <= value < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 is greedy), got {text}")
+  return value
+
+
+def _prompt(text: str) -> str:
+  if not text.strip():
+    raise argparse.ArgumentTypeError("the prompt is empty; give the text of a user message")
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as err:  # bytes that are not UTF-8 arrive as lone surrogates
+    byte = ord(err.object[err.start]) - 0xDC00  # Python's surrogateescape of that byte
+    raise argparse.ArgumentTypeError(
+      f"the prompt is not valid UTF-8 (byte 0x{byte:02x} at character {err.start}); pass UTF-8 "
+      "text") from None
+  return text
+
+
 def _branching(text: str) -> tuple[int, ...]:
   try:
     counts = tuple(int(x) for x in text.split(","))
@@ -415,14 +458,16 @@ def _branching(text: str) -> tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
   """Options shared by ``generate`` and ``bench-e2e``."""
   if generate_command:
-    parser.add_argument("--prompt", required=True, help="the user message (chat template added)")
+    parser.add_argument("--prompt", required=True, type=_prompt,
+                        help="the user message (chat template added)")
   parser.add_argument("--draft", nargs="+", default=list(DRAFTS), choices=DRAFTS,
                       help="drafts to compare with plain decoding (default: all)")
-  parser.add_argument("--gamma", type=int, default=4, help="proposals per step (default 4)")
-  parser.add_argument("--temperature", type=float, nargs="+",
+  parser.add_argument("--gamma", type=_positive_int, default=4,
+                      help="proposals per step (default 4)")
+  parser.add_argument("--temperature", type=_temperature, nargs="+",
                       default=[0.0] if generate_command else [0.0, 0.7],
                       help="sampling temperatures; 0 is greedy")
-  parser.add_argument("--max-new-tokens", type=int, default=96)
+  parser.add_argument("--max-new-tokens", type=_positive_int, default=96)
   parser.add_argument("--verifier", nargs="+", default=["token"],
                       choices=("token", "block", "tree"),
                       help="token-wise (default), block verification (Sun et al. 2024) and/or a "
@@ -430,10 +475,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) ->
   parser.add_argument("--tree", type=_branching, default=DEFAULT_TREE,
                       help="the draft tree of --verifier tree: candidates per node at each depth, "
                            "e.g. 2,2,1,1 (default)")
-  parser.add_argument("--repeats", type=int, default=1 if generate_command else 5,
+  parser.add_argument("--repeats", type=_positive_int, default=1 if generate_command else 5,
                       help="timed runs after the compiling one (median)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--seeds", type=int, default=1,
+  parser.add_argument("--seed", type=_seed, default=0)
+  parser.add_argument("--seeds", type=_positive_int, default=1,
                       help="run sampled requests with this many seeds and summarise (default 1)")
 
 
@@ -441,11 +486,20 @@ def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) 
   """Entry point of ``generate`` and ``bench-e2e``."""
   try:
     setup = Setup()
-  except ImportError as err:  # the model extra is missing
+  except (ImportError, FileNotFoundError) as err:  # the model extra or the weights are missing
     print(f"error: {err}", file=sys.stderr)
     return 2
   if prompts is None:
-    prompts = {"prompt": args.prompt} if getattr(args, "prompt", None) else PROMPTS
+    prompts = {"prompt": args.prompt}
+  context = setup.config.max_position
+  for label, text in prompts.items():
+    need = len(setup.encode(text)) + args.max_new_tokens
+    if need > context:
+      what = "the prompt" if label == "prompt" else f"the {label} prompt"
+      print(f"error: {what} ({need - args.max_new_tokens} tokens with the chat "
+            f"template) plus --max-new-tokens {args.max_new_tokens} exceeds the model's context "
+            f"of {context} tokens; shorten the prompt or lower --max-new-tokens", file=sys.stderr)
+      return 2
   run_suite(setup, prompts=prompts, drafts=args.draft, temperatures=args.temperature,
             gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
             seed=args.seed, verifiers=args.verifier, tree=args.tree, seeds=args.seeds)
