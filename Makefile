@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow lint notebooks bench bench-e2e install install-test clean
+.PHONY: demo test test-slow lint notebooks bench bench-e2e install install-test mutants clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ bench-e2e: install
 
 test-slow: install-test
 	$(PY) -m pytest -q -m slow
+
+# Mutation testing: curated single-point bugs of the core, each must make its tests fail
+# (tools/mutants.py; not part of `make test`, it takes a while). MUTANTS_ARGS=--list or --only ID.
+mutants: install-test
+	$(PY) tools/mutants.py $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

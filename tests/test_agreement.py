@@ -77,3 +77,24 @@ def test_low_precision_inputs_give_in_range_positive_tokens(dtype):
     tokens = speculative_step(p_low, q_low, draft, gen)
     assert all(0 <= t < vocab for t in tokens)
     assert p_low[len(tokens) - 1, tokens[-1]] > 0
+
+
+@pytest.mark.parametrize("vocab", [5, 300])
+def test_verify_matches_reference_slot_for_slot_at_one_shape(vocab):
+  """The quick version of the test above: one shape (one compilation), every kind of case, and
+  a vocabulary of two blocks. Which uniform each test and the final sample read, which row the
+  replacement comes from and the residual's sign all show up here."""
+  gamma = 3
+  rng = np.random.default_rng(vocab)
+  with jax.enable_x64(True):
+    step = jax.jit(verify)
+    for i in range(300):
+      kind = KINDS[i % len(KINDS)]
+      p, q, draft = random_case(rng, gamma, vocab, kind)
+      uniforms = rng.random(gamma + 1)
+      stream = UniformStream(uniforms)
+      want = reference.speculative_step(p, q, draft, stream)
+      result = step(jnp.asarray(p), jnp.asarray(q), jnp.asarray(draft), jnp.asarray(uniforms))
+      n = int(result.num_tokens)
+      assert result.tokens[:n].tolist() == want, f"case {i}, kind={kind}"
+      assert int(result.num_uniforms) == stream.position

@@ -275,6 +275,40 @@ def test_num_draft_equals_unpadded_call():
     assert batched.tokens[n].tolist() == block_verify(p32, q32, d, u, num_draft=n).tokens.tolist()
 
 
+def test_padded_rows_after_num_draft_are_never_read():
+  """The bonus row is p[num_draft]; rows after it may hold anything (here NaN and -1), also
+  for a vocabulary of several blocks."""
+  rng = np.random.default_rng(8)
+  gamma, vocab = 3, 600
+  p, q, d = random_case(rng, gamma, vocab, "equal")  # q = p: every proposal is kept
+  u = rng.random(gamma + 1).astype(np.float32)
+  for n in range(gamma):
+    p_pad, q_pad, d_pad = p.copy(), q.copy(), d.copy()
+    p_pad[n + 1 :], q_pad[n:], d_pad[n:] = np.nan, -1.0, 12345
+    padded = block_verify(p_pad.astype(np.float32), q_pad.astype(np.float32), d_pad, u,
+                          num_draft=jnp.int32(n))
+    short = block_verify(p[: n + 1].astype(np.float32), q[:n].astype(np.float32), d[:n],
+                         u[: n + 1])
+    assert bool(padded.valid) and bool(short.valid), n
+    assert padded.tokens[: n + 1].tolist() == short.tokens.tolist()
+    assert int(padded.num_accepted) == n
+
+
+@pytest.mark.parametrize("u", [0.0, 0.3, 0.6, 0.9])
+def test_empty_residual_falls_back_to_p(u):
+  """b_1 = 0 (p = q = 0 at the draft token) stops at tau = 0, where max(p - q, 0) = 0 (q = p):
+  the final token comes from p[0] itself, at every uniform."""
+  p_row = [0.0, 0.25, 0.25, 0.5]
+  p = np.array([p_row, [0.5, 0.5, 0.0, 0.0]], np.float32)
+  q = np.array([p_row], np.float32)
+  r = block_verify(p, q, np.array([0], np.int32), np.array([0.5, u], np.float32))
+  want = reference.block_speculative_step(p.astype(np.float64), q.astype(np.float64), [0],
+                                          UniformStream([0.5, u]))
+  assert want == [int(np.searchsorted(np.cumsum(p_row), u, side="right"))]
+  assert r.tokens.tolist()[: int(r.num_tokens)] == want
+  assert bool(r.valid)
+
+
 def test_jit_vmap_and_nested_vmap_agree_with_single_calls():
   rng = np.random.default_rng(4)
   cases = [random_case(rng, 3, 7, "overlap") for _ in range(12)]

@@ -66,6 +66,17 @@ def test_ties_go_to_the_lower_token_id():
     0.0, 1.0, 0.0, 0.0, 0.0]
 
 
+def test_top_p_keeps_tokens_while_the_mass_before_them_is_below_top_p():
+  """The token whose preceding mass equals ``top_p`` exactly is dropped: ``< top_p``, not ``<=``."""
+  probs = process_logits(jnp.zeros(4, jnp.float32), SamplingParams(top_p=0.5))
+  assert np.asarray(probs).tolist() == [0.5, 0.5, 0.0, 0.0]
+  probs = process_logits(jnp.zeros(4, jnp.float32), SamplingParams(top_p=jnp.float32(0.75)))
+  np.testing.assert_allclose(np.asarray(probs), [1 / 3, 1 / 3, 1 / 3, 0.0], rtol=1e-6)
+  probs = process_logits(jnp.asarray([0.0, -jnp.inf, 0.0, -jnp.inf]),
+                         SamplingParams(top_p=jnp.float32(0.5), top_k=jnp.int32(0)))
+  assert np.asarray(probs).tolist() == [1.0, 0.0, 0.0, 0.0]  # masked ids, exact halves
+
+
 def test_none_skips_the_sort_at_trace_time():
   logits = jnp.asarray(np.random.default_rng(1).normal(size=64), jnp.float32)
   text = str(jax.make_jaxpr(lambda x: process_logits(x, SamplingParams(0.7)))(logits))

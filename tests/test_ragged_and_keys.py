@@ -81,6 +81,21 @@ def test_num_draft_out_of_range_is_clipped_and_flagged_under_jit(bad):
   assert 1 <= n <= GAMMA + 1
 
 
+@pytest.mark.parametrize("bad", [-3, GAMMA + 1, 100])
+def test_out_of_range_num_draft_acts_as_its_clipped_value(bad):
+  """q = p accepts every proposal: an unclipped num_draft would test (and emit) more than gamma."""
+  rng = np.random.default_rng(5)
+  p, _, draft = random_case(rng, GAMMA, VOCAB, "overlap")
+  p = jnp.asarray(p, jnp.float32)
+  args = (p, p[:GAMMA], jnp.asarray(draft), jnp.full(GAMMA + 1, 0.5, jnp.float32))
+  got = verify(*args, num_draft=jnp.int32(bad))
+  want = verify(*args, num_draft=jnp.int32(min(max(bad, 0), GAMMA)))
+  assert got.tokens.tolist() == want.tokens.tolist()
+  assert (int(got.num_tokens), int(got.num_uniforms)) == (int(want.num_tokens),
+                                                           int(want.num_uniforms))
+  assert int(got.error) == ErrorCode.BAD_NUM_DRAFT and bool(want.valid)
+
+
 def test_num_draft_wrong_shape_or_dtype_fails_at_trace_time():
   p, q, draft, uniforms, num_draft, _ = _padded_batch(3)
   with pytest.raises(ValueError, match=r"`num_draft` must be a scalar.*got shape \(48,\)"):

@@ -85,3 +85,58 @@ def test_all_zero_or_nan_weights_stay_in_range():
     k = int(sample_index(jnp.asarray(w, jnp.float32), jnp.float32(0.5)))
     assert 0 <= k < 3
   assert int(sample_index(jnp.asarray([np.nan, 0.5, -1.0], jnp.float32), jnp.float32(0.9))) == 1
+
+
+ONE_MINUS = np.float32(1) - np.float32(2 ** -24)  # the largest float32 below 1
+
+
+def _zero_tail_rows(vocab: int, tail: int, rows: int, seed: int) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  w = rng.random((rows, vocab)).astype(np.float32)
+  w[:, vocab - tail :] = 0
+  return (w / w.sum(-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+
+
+@pytest.mark.parametrize(("vocab", "tail"), [(4, 2), (300, 10), (300, 100), (1000, 100),
+                                             (4097, 1), (4097, 1000), (5000, 2000)])
+def test_uniforms_just_below_one_never_give_a_zero_tail_id(vocab, tail):
+  """Rounding of the block masses, their prefix and the in-block sums can put ``u * total`` at
+  or past the last partial sum, or on a zero-weight entry: the hit must be snapped back to a
+  positive weight (the last one), never land in the zero tail or at ``V``."""
+  rows = _zero_tail_rows(vocab, tail, 64, seed=vocab + tail)
+  near_one = ONE_MINUS - np.arange(64, dtype=np.float32) * np.float32(2 ** -24)
+  us = jnp.asarray(np.concatenate([near_one, np.linspace(0, 1, 64, endpoint=False,
+                                                         dtype=np.float32)]))
+  sampler = jax.jit(jax.vmap(jax.vmap(sample_index, in_axes=(None, 0)), in_axes=(0, None)))
+  got = np.asarray(sampler(jnp.asarray(rows), us))
+  assert got.min() >= 0 and got.max() < vocab - tail
+  assert np.all(rows[np.arange(len(rows))[:, None], got] > 0)
+  # The largest uniforms give the last positive id (u * total past every partial sum) or one
+  # just before it.
+  assert np.all(got[:, 0] >= vocab - tail - 8)
+
+
+@pytest.mark.parametrize("row", [[0.5, 0.5, 0, 0], [0.75, 0.75, 0, 0], [0.3, 0.3, 0.4, 0, 0]])
+def test_largest_uniform_below_one_on_a_zero_tail_row(row):
+  w = jnp.asarray(row, jnp.float32)
+  last_positive = max(i for i, v in enumerate(row) if v > 0)
+  assert int(sample_index(w, jnp.float32(ONE_MINUS))) == last_positive
+
+
+def test_uniform_at_or_past_one_gives_the_last_positive_id():
+  """Out-of-range uniforms (flagged by the verifiers) are read as "past the total"."""
+  w = jnp.asarray([0.0, 0.3, 0.3, 0.4, 0.0, 0.0], jnp.float32)
+  for u in (1.0, 1.5, np.inf):
+    assert int(sample_index(w, jnp.float32(u))) == 3, u
+  for vocab in (300, 5000):  # multi-block rows: the last positive block, its last positive id
+    row = _zero_tail_rows(vocab, vocab // 3, 1, seed=vocab)[0]
+    want = int(np.nonzero(row > 0)[0][-1])
+    assert int(sample_index(jnp.asarray(row), jnp.float32(1.0))) == want
+
+
+def test_nan_and_negative_weights_count_as_zero():
+  """Not just kept out of the result: they must not shift the other tokens' intervals."""
+  w = jnp.asarray([0.5, np.nan, 0.5], jnp.float32)
+  assert [int(sample_index(w, jnp.float32(u))) for u in (0.1, 0.4, 0.6, 0.9)] == [0, 0, 2, 2]
+  w = jnp.asarray([0.5, -0.25, 0.5], jnp.float32)  # a total of 0.75 would move the boundary
+  assert [int(sample_index(w, jnp.float32(u))) for u in (0.3, 0.45, 0.55, 0.9)] == [0, 0, 2, 2]

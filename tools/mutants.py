@@ -1,0 +1,477 @@
+"""Mutation testing of the core: does the test suite catch small, plausible bugs?
+
+Each entry of :data:`MUTANTS` is a single-point change of the library (one exact snippet of
+one file replaced by another) and the tests that should catch it. For every mutant the
+script applies the change to a private copy of the repository, runs those tests there with
+this interpreter (``python -m pytest -x -q -p no:cacheprovider ...``, ``PYTHONPATH`` set to
+the copy so that the copy's ``specdec_jax`` is imported, not the editable install) and
+restores the file. A mutant is
+
+* KILLED when the tests fail,
+* SURVIVED when they pass (a gap in the tests, or an equivalent mutant to remove),
+* STALE when its snippet is not found exactly once (the code moved: update the entry),
+* ERROR when pytest could not run the selection (collection error, nothing selected, or the
+  mutated file does not compile), TIMEOUT when the run exceeded ``--timeout``.
+
+Before the mutants, the union of their test selections is run once on the unmutated copy
+(``--no-baseline`` skips it): a kill only means something if those tests pass without it.
+
+Usage::
+
+  python tools/mutants.py                  # every mutant (make mutants)
+  python tools/mutants.py --list           # the list, with each snippet's status
+  python tools/mutants.py --only rule-le sampler-no-snap
+  python tools/mutants.py --jobs 2         # two copies, two mutants at a time
+
+Exit status 0 only if every selected mutant was KILLED (or TIMEOUT) and the baseline passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Mutant(NamedTuple):
+  id: str
+  file: str  # relative to the repository root
+  original: str  # must occur exactly once in `file`
+  replacement: str
+  description: str
+  tests: tuple[str, ...]  # pytest arguments: files, node ids, "-k", "expr"
+
+
+def _m(id_, file, original, replacement, description, *tests) -> Mutant:
+  return Mutant(id_, f"specdec_jax/{file}", original, replacement, description, tuple(tests))
+
+
+T_SAMPLE = "tests/test_sample.py"
+T_TRAPS = "tests/test_traps.py"
+T_WORKED = "tests/test_worked_examples.py"
+T_RAGGED = "tests/test_ragged_and_keys.py"
+T_FAST = "tests/test_fast_path.py"
+T_BLOCK = "tests/test_block.py"
+T_TREE = "tests/test_tree.py"
+T_LOGITS = "tests/test_logits.py"
+T_SLOTS = "tests/test_agreement.py::test_verify_matches_reference_slot_for_slot_at_one_shape"
+
+#: The curated mutants. Keep each selection small: a mutant run should take well under 2 minutes.
+MUTANTS: tuple[Mutant, ...] = (
+  # --- the accept test (_rule.py) ------------------------------------------------------------
+  _m("rule-le", "_rule.py",
+     "return u < acceptance_ratio(p_x, q_x)", "return u <= acceptance_ratio(p_x, q_x)",
+     "accept test u <= p/q (accepts p(x) = 0 when u = 0)", T_TRAPS),
+  _m("rule-swap-pq", "_rule.py",
+     "return u < acceptance_ratio(p_x, q_x)", "return u < acceptance_ratio(q_x, p_x)",
+     "accept test with p and q swapped (u < q/p)", T_WORKED),
+  _m("rule-q0-reject", "_rule.py",
+     "xp.where(p_x > 0, inf, zero)", "xp.where(p_x > 0, zero, zero)",
+     "q(x) = 0 < p(x) rejected instead of always accepted", T_TRAPS, "-k", "zero_q"),
+  _m("rule-q0-accept", "_rule.py",
+     "xp.where(p_x > 0, inf, zero)", "xp.where(p_x > 0, inf, inf)",
+     "q(x) = 0 = p(x) accepted (0/0 as a silent accept)", T_TRAPS, "-k", "zero_q"),
+  # --- the inverse-CDF sampler (_sampling.py) -------------------------------------------------
+  _m("sampler-no-snap", "_sampling.py",
+     "  score = jnp.where(w > 0, jnp.where(index <= first, size + index, size - 1 - index), -1)\n"
+     "  return jnp.argmax(score).astype(jnp.int32)\n",
+     "  return first\n",
+     "no snap of a hit (or a miss past the total) to a positive weight", T_SAMPLE),
+  _m("sampler-le", "_sampling.py",
+     "hit = target < cdf", "hit = target <= cdf",
+     "smallest k with u <= cumsum[k] instead of u < cumsum[k]", T_SAMPLE),
+  _m("sampler-miss-first", "_sampling.py",
+     "first = jnp.where(hit[first], first, size - 1)", "first = jnp.where(hit[first], first, 0)",
+     "past the total: first positive id instead of the last", T_SAMPLE),
+  _m("sampler-no-sanitize", "_sampling.py",
+     "return jnp.where(weights > 0, weights, jnp.zeros_like(weights))", "return weights",
+     "NaN and negative weights not zeroed", T_SAMPLE),
+  _m("sampler-unscaled-u", "_sampling.py",
+     "return two_level_inverse_cdf(w, u.astype(dtype) * total)",
+     "return two_level_inverse_cdf(w, u.astype(dtype))",
+     "u not scaled by the total of unnormalised weights", T_SAMPLE),
+  _m("block-pick-rest", "_sampling.py",
+     "return b, target - (prefix[b] - masses[b])", "return b, target - prefix[b]",
+     "block-level pick: remainder measured from the block's end, not its start",
+     T_FAST, T_SAMPLE),
+  _m("block-mask", "_sampling.py",
+     "return jnp.where(ids >= lo, values, jnp.zeros_like(values))", "return values",
+     "two-level inverse CDF: the previous block's ids in a shifted last slice not masked",
+     T_FAST, T_SAMPLE),
+  _m("block-start", "_sampling.py",
+     "return lo, jnp.minimum(lo, size - block)", "return lo, lo",
+     "last block's slice start not clamped (dynamic_slice clamps it, ids shift)",
+     T_FAST, T_SAMPLE),
+  _m("block-masses-tail", "_sampling.py",
+     "parts.append(w[full * block :].sum(keepdims=True))",
+     "parts.append(w[full * block :].max(keepdims=True))",
+     "mass of the last, partial block wrong", T_FAST, T_SAMPLE),
+  # --- token-wise verification (_verify.py, _rows.py) -----------------------------------------
+  _m("verify-test-slot", "_verify.py",
+     "accepts(uniforms[i], p_x[i], q_x[i])", "accepts(uniforms[i + 1], p_x[i], q_x[i])",
+     "accept test at position i reads uniforms[i + 1]", T_WORKED, T_SLOTS),
+  _m("verify-final-slot", "_verify.py",
+     "final_u = uniforms[num_tests]", "final_u = uniforms[num_accepted]",
+     "final sample reads the slot of the rejected test (reuses its uniform)", T_WORKED, T_SLOTS),
+  _m("verify-residual-masses", "_rows.py",
+     "jnp.maximum(p_row - q_row_c, 0)", "jnp.maximum(q_row_c - p_row, 0)",
+     "residual block masses from max(q - p, 0)", T_WORKED, T_SLOTS),
+  _m("verify-residual-values", "_rows.py",
+     "jnp.maximum(p_part - q_part.astype(dtype), 0)",
+     "jnp.maximum(q_part.astype(dtype) - p_part, 0)",
+     "residual weights inside the block from max(q - p, 0)", T_WORKED),
+  _m("verify-no-fallback", "_verify.py",
+     "  clean = jnp.where(use_residual | ~rejected, clean, clean_p)\n", "",
+     "empty residual: block masses not switched to p[n] (token from the first block)", T_TRAPS),
+  _m("verify-fallback-never", "_verify.py",
+     "use_residual = rejected & (", "use_residual = rejected & (True or ",
+     "empty residual never falls back to p[n]", T_TRAPS),
+  _m("verify-stop-row", "_verify.py",
+     "  row = num_accepted\n", "  row = num_tests\n",
+     "replacement sampled from row n + 1 instead of the rejected row n", T_WORKED, T_SLOTS),
+  _m("verify-q-row", "_verify.py",
+     "q_row_index = jnp.minimum(row, max(gamma - 1, 0))",
+     "q_row_index = jnp.minimum(row + 1, max(gamma - 1, 0))",
+     "residual subtracts the next position's q row", T_WORKED),
+  _m("verify-in-range", "_verify.py",
+     "p_x[i], q_x[i]) & prep.in_range[i]", "p_x[i], q_x[i])",
+     "an out-of-range draft id can be accepted (clipped into range)", T_TRAPS),
+  _m("verify-num-draft-limit", "_verify.py",
+     "return (i < limit) & ~rejected", "return (i < gamma) & ~rejected",
+     "num_draft ignored by the accept scan (padded proposals tested)", T_RAGGED),
+  _m("chain-num-draft-clip", "_verify.py",
+     "return jnp.clip(count, low, high).astype(jnp.int32), bad",
+     "return count.astype(jnp.int32), bad",
+     "num_draft out of range not clipped", T_RAGGED),
+  _m("chain-num-draft-flag", "_verify.py",
+     "bad = (count < low) | (count > high)", "bad = count > high",
+     "negative num_draft clipped but not flagged", T_RAGGED),
+  _m("chain-pad", "_verify.py",
+     "tokens = jnp.where(slots < num_accepted, kept, jnp.int32(pad_id))",
+     "tokens = jnp.where(slots < num_accepted, kept, jnp.int32(0))",
+     "unused slots hold 0 instead of pad_id", T_WORKED),
+  _m("flag-draft-range", "_verify.py",
+     "in_range, ErrorCode.DRAFT_OUT_OF_RANGE) |", "in_range, ErrorCode.OK) |",
+     "error assembly: DRAFT_OUT_OF_RANGE dropped", T_TRAPS),
+  _m("flag-num-draft", "_verify.py",
+     "bad_limit, ErrorCode.BAD_NUM_DRAFT)", "bad_limit, ErrorCode.OK)",
+     "error assembly: BAD_NUM_DRAFT dropped", T_RAGGED),
+  _m("flag-final-uniform", "_verify.py",
+     "slots < num_uniforms)", "slots < num_uniforms - 1)",
+     "error assembly: the final sample's uniform not checked", T_TRAPS),
+  _m("flag-value-above-one", "_errors.py",
+     "values > 1 + tol", "values > jnp.inf",
+     "error assembly: a gathered probability above 1 not flagged", T_TRAPS, T_BLOCK,
+     "-k", "bad"),
+  _m("flag-q-row-sum", "_errors.py",
+     "off = (jnp.abs(p_sum - 1) > tol) | (rejected & (jnp.abs(q_sum - 1) > tol))",
+     "off = jnp.abs(p_sum - 1) > tol",
+     "error assembly: the q row of a rejection not checked for normalisation", T_TRAPS),
+  # --- block verification (_block.py) -----------------------------------------------------------
+  _m("block-h-formula", "_block.py",
+     "den = z + (1 - row_b)", "den = z + 1",
+     "h_i = Z_i / (Z_i + 1) instead of Z_i / (Z_i + 1 - b_i)", T_BLOCK,
+     "-k", "reference or worked or falls_back"),
+  _m("block-b-recursion", "_block.py",
+     "jnp.minimum(0, prev + r)", "jnp.minimum(0, r)",
+     "b_i = min(1, p/q) of position i alone (no product with b_{i-1})", T_BLOCK,
+     "-k", "reference or worked or falls_back"),
+  _m("block-residual-b", "_block.py",
+     "jnp.maximum(b * p_row - q_row, 0)", "jnp.maximum(p_row - q_row, 0)",
+     "Z_i from max(p - q, 0) without the weight b_i", T_BLOCK,
+     "-k", "reference or worked or falls_back"),
+  _m("block-final-b", "_block.py",
+     "jnp.maximum(b_tau * p_part - q_part, 0)", "jnp.maximum(p_part - q_part, 0)",
+     "final residual max(p - q, 0) without the weight b_tau", T_BLOCK,
+     "-k", "reference or worked or falls_back"),
+  _m("block-eta-slot", "_block.py",
+     "target_u = uniforms[limit]", "target_u = uniforms[tau]",
+     "final sample reads uniforms[tau] instead of uniforms[n]", T_BLOCK,
+     "-k", "reference or worked"),
+  _m("block-bonus-row", "_block.py",
+     "row = read_p(limit, 0, vocab)", "row = read_p(gamma, 0, vocab)",
+     "bonus row p[gamma] instead of p[num_draft]", T_BLOCK,
+     "-k", "num_draft or reference or padded_rows"),
+  _m("block-no-fallback", "_block.py",
+     "clean = jnp.where(use_residual | keep_all, _clean(masses), _clean(p_masses))",
+     "clean = _clean(masses)",
+     "empty residual: block masses not switched to p[tau]", T_BLOCK,
+     "-k", "falls_back or reference or worked"),
+  # --- tree verification (_tree.py) -------------------------------------------------------------
+  _m("tree-wor-as-iid", "_tree.py",
+     "q_j = jnp.where(s.removed, s.q_left / jnp.where(left > 0, left, 1), s.q_left)",
+     "q_j = q[s.node].astype(dtype)",
+     "without replacement verified with the i.i.d. law q[u]", T_TREE,
+     "-k", "written_out or not_q"),
+  _m("tree-wor-unnormalised", "_tree.py",
+     "q_j = jnp.where(s.removed, s.q_left / jnp.where(left > 0, left, 1), s.q_left)",
+     "q_j = s.q_left",
+     "without replacement: q with removed tokens not renormalised", T_TREE,
+     "-k", "written_out or not_q"),
+  _m("tree-deterministic-q", "_tree.py",
+     "q_j = is_x.astype(dtype)", "q_j = q[s.node].astype(dtype)",
+     "deterministic (top-k) children verified with q instead of a point mass", T_TREE,
+     "-k", "written_out"),
+  _m("tree-residual-swap", "_tree.py",
+     "weights = jnp.maximum(r - q_j, 0)", "weights = jnp.maximum(q_j - r, 0)",
+     "tree residual max(q - r, 0)", T_TREE, "-k", "worked or written_out"),
+  _m("tree-no-normalise", "_tree.py",
+     "r = jnp.where(s.raw, s.residual, s.residual / jnp.where(total > 0, total, 1))",
+     "r = s.residual",
+     "accept test of later siblings against the unnormalised residual", T_TREE,
+     "-k", "worked or written_out"),
+  _m("tree-fallback-q", "_tree.py",
+     "residual = jnp.where(empty, p[s.node].astype(dtype), weights)",
+     "residual = jnp.where(empty, q[s.node].astype(dtype), weights)",
+     "empty residual falls back to q[u] instead of p[u]", T_TREE, "-k", "not_q"),
+  _m("tree-flag-q-row", "_tree.py",
+     "error = error | jnp.where(first_test, row_error(q[s.node].astype(dtype), tol), 0)",
+     "error = error",
+     "error assembly: the q row of a tested node not checked", T_TREE, "-k", "bad"),
+  # --- logits processing (_logits.py) -----------------------------------------------------------
+  _m("logits-temperature-after-softmax", "_logits.py",
+     "probs = jax.nn.softmax(z)", "probs = jax.nn.softmax(jax.nn.softmax(z * scale) / scale)",
+     "temperature applied to the probabilities after a softmax", T_LOGITS,
+     "-k", "matches_numpy"),
+  _m("logits-topk-ties-high", "_logits.py",
+     "order = jnp.argsort(-z, stable=True)",
+     "order = vocab - 1 - jnp.argsort(-z[::-1], stable=True)",
+     "top-k/top-p ties broken toward the higher id", T_LOGITS, "-k", "ties"),
+  _m("logits-topk-le", "_logits.py",
+     "z = jnp.where(rank < k, z, neg_inf)", "z = jnp.where(rank <= k, z, neg_inf)",
+     "top-k keeps k + 1 tokens", T_LOGITS, "-k", "matches_numpy"),
+  _m("logits-top-p-le", "_logits.py",
+     "keep_sorted = (mass_before < top_p)", "keep_sorted = (mass_before <= top_p)",
+     "top-p keeps a token whose preceding mass equals top_p", T_LOGITS, "-k", "top_p"),
+  _m("logits-greedy-ties-high", "_logits.py",
+     "one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)",
+     "one_hot = jax.nn.one_hot(vocab - 1 - jnp.argmax(logits[::-1]), vocab, dtype=dtype)",
+     "greedy point mass on the last maximal logit, not the first", T_LOGITS, "-k", "ties"),
+  _m("logits-params-flag", "_logits.py",
+     "error = result.error | params_error(params)", "error = result.error",
+     "verify_logits: BAD_PARAMS dropped", T_LOGITS, "-k", "bad_parameters"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _repo_files(root: Path) -> list[str]:
+  """Tracked and untracked-but-not-ignored files (what a commit could hold), or a plain walk."""
+  try:
+    out = subprocess.run(
+      ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+      check=True, capture_output=True).stdout
+    return [f for f in out.decode().split("\0") if f and (root / f).is_file()]
+  except (OSError, subprocess.CalledProcessError):
+    skip = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis"}
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+      dirnames[:] = [d for d in dirnames if d not in skip and not d.endswith(".egg-info")]
+      files += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames]
+    return files
+
+
+def _copy_repo(root: Path, dest: Path) -> None:
+  for rel in _repo_files(root):
+    if rel.startswith((".venv/", ".git/")):
+      continue
+    target = dest / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(root / rel, target)
+
+
+def _env(copy: Path) -> dict[str, str]:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = str(copy) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+  env["PYTHONDONTWRITEBYTECODE"] = "1"
+  return env
+
+
+def _check_import(copy: Path) -> None:
+  """The copy's package must be the one imported (not the editable install)."""
+  out = subprocess.run([sys.executable, "-c", "import specdec_jax; print(specdec_jax.__file__)"],
+                       cwd=copy, env=_env(copy), capture_output=True, text=True)
+  where = Path(out.stdout.strip() or "?").resolve()
+  if out.returncode or copy.resolve() not in where.parents:
+    raise SystemExit(f"mutants: the copy's specdec_jax is not the one imported: {where}\n"
+                     f"{out.stderr}")
+
+
+def _pytest(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
+  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+  try:
+    out = subprocess.run(cmd, cwd=copy, env=_env(copy), capture_output=True, text=True,
+                         timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return None, ""
+  return out.returncode, out.stdout + out.stderr
+
+
+def _status(mutant: Mutant, root: Path) -> str | None:
+  """``"STALE"`` if the snippet is not found exactly once in the source tree, else None."""
+  path = root / mutant.file
+  if not path.is_file():
+    return "STALE"
+  return None if path.read_text().count(mutant.original) == 1 else "STALE"
+
+
+class Outcome(NamedTuple):
+  mutant: Mutant
+  status: str
+  seconds: float
+  detail: str
+
+
+def _run_one(mutant: Mutant, copy: Path, timeout: float) -> Outcome:
+  start = time.perf_counter()
+  path = copy / mutant.file
+  if not path.is_file():
+    return Outcome(mutant, "STALE", 0.0, f"{mutant.file} does not exist")
+  text = path.read_text()
+  count = text.count(mutant.original)
+  if count != 1:
+    return Outcome(mutant, "STALE", 0.0, f"snippet found {count} times in {mutant.file}")
+  mutated = text.replace(mutant.original, mutant.replacement)
+  try:
+    compile(mutated, str(path), "exec")
+  except SyntaxError as err:
+    return Outcome(mutant, "ERROR", 0.0, f"the mutated file does not compile: {err}")
+  path.write_text(mutated)
+  try:
+    code, output = _pytest(copy, mutant.tests, timeout)
+  finally:
+    path.write_text(text)
+  seconds = time.perf_counter() - start
+  if code is None:
+    return Outcome(mutant, "TIMEOUT", seconds, f"over {timeout:.0f} s")
+  last = output.strip().splitlines()[-1] if output.strip() else ""
+  if code == 1:
+    return Outcome(mutant, "KILLED", seconds, last)
+  if code == 0:
+    return Outcome(mutant, "SURVIVED", seconds, last)
+  return Outcome(mutant, "ERROR", seconds, f"pytest exit {code}: {last}\n{output[-3000:]}")
+
+
+def _baseline(mutants: list[Mutant], copy: Path, timeout: float) -> bool:
+  """Run every distinct selection once, unmutated. True if all pass."""
+  ok = True
+  for tests in dict.fromkeys(m.tests for m in mutants):
+    start = time.perf_counter()
+    code, output = _pytest(copy, tests, timeout)
+    seconds = time.perf_counter() - start
+    status = "pass" if code == 0 else "TIMEOUT" if code is None else f"FAIL (exit {code})"
+    print(f"  baseline {' '.join(tests)}: {status} [{seconds:.0f} s]", flush=True)
+    if code != 0:
+      ok = False
+      print(output[-3000:], flush=True)
+  return ok
+
+
+def _table(outcomes: list[Outcome]) -> str:
+  width_id = max(len("id"), *(len(o.mutant.id) for o in outcomes))
+  width_file = max(len("file"), *(len(o.mutant.file) for o in outcomes))
+  lines = [f"{'id':<{width_id}}  {'file':<{width_file}}  {'status':<8}  {'secs':>5}  description",
+           "-" * (width_id + width_file + 30 + 40)]
+  for o in outcomes:
+    lines.append(f"{o.mutant.id:<{width_id}}  {o.mutant.file:<{width_file}}  {o.status:<8}  "
+                 f"{o.seconds:5.0f}  {o.mutant.description}")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mutants")
+  parser.add_argument("--list", action="store_true",
+                      help="list the mutants and whether each snippet is found; run nothing")
+  parser.add_argument("--jobs", type=int, default=1, help="mutants run at a time (default 1)")
+  parser.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run")
+  parser.add_argument("--no-baseline", action="store_true",
+                      help="skip the unmutated run of the selected tests")
+  parser.add_argument("--root", type=Path, default=ROOT,
+                      help="source tree to copy (default: this repository)")
+  args = parser.parse_args(argv)
+  root = args.root.resolve()
+
+  ids = [m.id for m in MUTANTS]
+  duplicates = {i for i in ids if ids.count(i) > 1}
+  if duplicates:
+    raise SystemExit(f"mutants: duplicate ids {sorted(duplicates)}")
+  selected = list(MUTANTS)
+  if args.only:
+    unknown = sorted(set(args.only) - set(ids))
+    if unknown:
+      raise SystemExit(f"mutants: unknown ids {unknown}; see --list")
+    selected = [m for m in MUTANTS if m.id in args.only]
+
+  if args.list:
+    for m in selected:
+      status = _status(m, root) or "ok"
+      print(f"{m.id:<34} {m.file:<26} {status:<6} {m.description}\n{'':<34} "
+            f"tests: {' '.join(m.tests)}")
+    stale = [m.id for m in selected if _status(m, root)]
+    if stale:
+      print(f"\nSTALE (snippet not found exactly once): {', '.join(stale)}", file=sys.stderr)
+    return 1 if stale else 0
+
+  jobs = max(1, min(args.jobs, len(selected)))
+  with tempfile.TemporaryDirectory(prefix="specdec-mutants-") as tmp:
+    copies = []
+    for j in range(jobs):
+      copy = Path(tmp) / f"repo{j}"
+      _copy_repo(root, copy)
+      _check_import(copy)
+      copies.append(copy)
+    print(f"mutants: {len(selected)} mutant(s), {jobs} job(s), copies of {root} under {tmp}",
+          flush=True)
+
+    if not args.no_baseline:
+      print("mutants: baseline (the selected tests on the unmutated copy)", flush=True)
+      if not _baseline(selected, copies[0], args.timeout):
+        print("mutants: the baseline FAILED: fix the tests or the code first; kills would mean "
+              "nothing", file=sys.stderr)
+        return 2
+
+    free = list(copies)
+    lock = threading.Lock()
+
+    def work(mutant: Mutant) -> Outcome:
+      with lock:
+        copy = free.pop()
+      try:
+        outcome = _run_one(mutant, copy, args.timeout)
+      finally:
+        with lock:
+          free.append(copy)
+      loud = "" if outcome.status in ("KILLED", "TIMEOUT") else f"  <-- {outcome.detail}"
+      print(f"  {outcome.status:<8} {mutant.id} [{outcome.seconds:.0f} s]{loud}", flush=True)
+      return outcome
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+      outcomes = list(pool.map(work, selected))
+
+  print()
+  print(_table(outcomes))
+  bad = [o for o in outcomes if o.status not in ("KILLED", "TIMEOUT")]
+  counts = {s: sum(o.status == s for o in outcomes)
+            for s in ("KILLED", "SURVIVED", "STALE", "ERROR", "TIMEOUT")}
+  print("\n" + ", ".join(f"{k.lower()} {v}" for k, v in counts.items()))
+  stale = [o.mutant.id for o in outcomes if o.status == "STALE"]
+  if stale:
+    print(f"\n!!! STALE mutants (the code moved; update their snippets in tools/mutants.py): "
+          f"{', '.join(stale)}", file=sys.stderr)
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
