@@ -47,7 +47,7 @@ notebooks: install-test
 # Side-by-side timings of verify against the NumPy floor and baselines (several minutes).
 # The PyTorch column appears when torch is installed: $(PIP) install -e '.[bench]'
 bench: install
-	$(PY) -m specdec_jax.bench $(BENCH_ARGS)
+	$(PY) -m specdec_jax.app.bench $(BENCH_ARGS)
 
 # Plain vs speculative decoding on SmolLM2-135M-Instruct, every draft, timed (CPU).
 bench-e2e: install

@@ -1,6 +1,6 @@
-"""``python -m specdec_jax``: run the demo (see :mod:`specdec_jax._demo` and ``--help``)."""
+"""``python -m specdec_jax``: the application's command line (:mod:`specdec_jax.app.cli`)."""
 
-from specdec_jax._demo import main
+from specdec_jax.app.cli import main
 
 if __name__ == "__main__":
   raise SystemExit(main())

@@ -27,7 +27,6 @@ from specdec_jax._checks import check_chain
 from specdec_jax._checks import check_scalar
 from specdec_jax._checks import public_jit
 from specdec_jax._errors import stop_row_error
-from specdec_jax._rows import explicitly_sharded_batch
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import block_masses
 from specdec_jax._sampling import block_start
@@ -35,6 +34,7 @@ from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import pick_block
 from specdec_jax._sampling import pick_in_block
 from specdec_jax._sampling import sanitize
+from specdec_jax._stream import per_sequence
 from specdec_jax._verify import CHAIN_ARRAYS
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import assemble
@@ -159,69 +159,20 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
   return tau.astype(jnp.int32), token.astype(jnp.int32), err
 
 
-def _reader(array, batched, index):
-  """``read(row, start, size)``: a slice of one row of ``array`` (of sequence ``index``)."""
-  if array.shape[0] == 0:  # q with gamma == 0: never read
-    return lambda row, start, size: jnp.zeros((size,), array.dtype)
-
-  def read(row, start, size):
-    row, start = jnp.asarray(row, jnp.int32), jnp.asarray(start, jnp.int32)
-    if batched:
-      index_ = jnp.asarray(index, jnp.int32)
-      return lax.dynamic_slice(array, (index_, row, start), (1, 1, size))[0, 0]
-    return lax.dynamic_slice(array, (row, start), (1, size))[0]
-
-  return read
-
-
 def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol):
-  """:func:`_stop_and_sample` with a batching rule that loops over the batch on CPU.
+  """:func:`_stop_and_sample` per sequence, streamed (:func:`~specdec_jax._stream.per_sequence`).
 
-  Under ``jax.vmap`` a ``while_loop`` whose rows are picked by a batched index becomes a
-  gather of whole rows for every lane on every iteration. On XLA:CPU the rule instead
-  runs the per-sequence loop for one sequence at a time with scalar indices, so each
-  sequence reads only the rows it needs (see ``_rows.py``). Accelerators use plain vmap.
+  Under ``jax.vmap`` a ``while_loop`` whose rows are picked by a batched index would gather
+  whole rows for every lane on every iteration; the streaming rule runs each sequence's scan
+  on its own on XLA:CPU, so each sequence reads only the rows it needs.
   """
   gamma, vocab = q.shape[0], p.shape[-1]
-  kw = dict(gamma=gamma, vocab=vocab, dtype=dtype, tol=tol)
 
-  def single(p, q, log_b, uniforms, limit):
-    return _stop_and_sample(_reader(p, False, None), _reader(q, False, None), log_b, uniforms,
-                            limit, **kw)
+  def body(readers, log_b, uniforms, limit):
+    return _stop_and_sample(readers[0], readers[1], log_b, uniforms, limit, gamma=gamma,
+                            vocab=vocab, dtype=dtype, tol=tol)
 
-  batched_single = jax.custom_batching.custom_vmap(single)
-
-  @batched_single.def_vmap
-  def _rule(axis_size, in_batched, p, q, log_b, uniforms, limit):
-    args = (p, q, log_b, uniforms, limit)
-    axes = tuple(0 if flag else None for flag in in_batched)
-    out_batched = (True, True, True)
-    if any(flag and explicitly_sharded_batch(a) for a, flag in zip(args, in_batched,
-                                                                       strict=True)):
-      return jax.vmap(single, in_axes=axes)(*args), out_batched
-    p_b, q_b, lb_b, u_b, lim_b = in_batched
-
-    def looped(p, q, log_b, uniforms, limit):
-      def at(x, flag, i):
-        return lax.dynamic_index_in_dim(x, i, keepdims=False) if flag else x
-
-      def body(i, out):
-        res = _stop_and_sample(_reader(p, p_b, i), _reader(q, q_b, i), at(log_b, lb_b, i),
-                               at(uniforms, u_b, i), at(limit, lim_b, i), **kw)
-        return tuple(lax.dynamic_update_index_in_dim(o, r, i, 0)
-                     for o, r in zip(out, res, strict=True))
-
-      anchor = sum(jnp.zeros_like(a.ravel()[0], jnp.int32) for a in args if a.size)
-      init = tuple(jnp.zeros((axis_size,), jnp.int32) + anchor for _ in range(3))
-      return lax.fori_loop(0, axis_size, body, init)
-
-    def vectorised(*args):
-      return jax.vmap(single, in_axes=axes)(*args)
-
-    out = lax.platform_dependent(*args, cpu=looped, default=vectorised)
-    return out, out_batched
-
-  return batched_single(p, q, log_b, uniforms, limit)
+  return per_sequence(body, (p, q), log_b, uniforms, limit)
 
 
 def block_verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int,

@@ -17,7 +17,7 @@ def sanitize(weights: jax.Array) -> jax.Array:
   return jnp.where(weights > 0, weights, jnp.zeros_like(weights))
 
 
-def _first_hit(w: jax.Array, cdf: jax.Array, target: jax.Array) -> jax.Array:
+def first_hit(w: jax.Array, cdf: jax.Array, target: jax.Array) -> jax.Array:
   """The smallest ``k`` with ``target < cdf[k]``, snapped to a positive weight.
 
   XLA may evaluate a cumulative sum as a parallel prefix whose rounding differs
@@ -73,14 +73,14 @@ def pick_block(masses: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Arr
   positive mass is chosen and ``local_target`` is past its mass too.
   """
   prefix = jnp.cumsum(masses)
-  b = _first_hit(masses, prefix, target)
+  b = first_hit(masses, prefix, target)
   return b, target - (prefix[b] - masses[b])
 
 
 def pick_in_block(values: jax.Array, target: jax.Array) -> jax.Array:
   """First ``k`` with ``target < cumsum(values)[k]`` (snapped to a positive value); else the last
   positive value. ``values`` must be non-negative."""
-  return _first_hit(values, jnp.cumsum(values), target)
+  return first_hit(values, jnp.cumsum(values), target)
 
 
 def two_level_inverse_cdf(w: jax.Array, target: jax.Array, block: int = BLOCK) -> jax.Array:
@@ -142,17 +142,6 @@ def sample_index(weights: jax.Array, u: jax.Array) -> jax.Array:
   w = sanitize(weights.astype(dtype))
   total = jnp.sum(block_masses(w, min(BLOCK, w.shape[-1])))
   return two_level_inverse_cdf(w, u.astype(dtype) * total)
-
-
-def sample_index_cumsum(weights: jax.Array, u: jax.Array) -> jax.Array:
-  """The straightforward sampler: one cumulative sum over the whole row (for comparison).
-
-  Same semantics as :func:`sample_index`; slower, and its float32 partial sums
-  drift over long rows. Kept as the baseline the fast sampler is tested against.
-  """
-  w = sanitize(weights)
-  cdf = jnp.cumsum(w)
-  return _first_hit(w, cdf, u * cdf[-1])
 
 
 def sample_index_sharded(weights: jax.Array, u: jax.Array, axis_name: str) -> jax.Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -24,16 +25,16 @@ from specdec_jax._errors import row_tolerance
 from specdec_jax._errors import stop_row_error
 from specdec_jax._errors import uniform_codes
 from specdec_jax._errors import value_codes
-from specdec_jax._rows import stop_row_stats
-from specdec_jax._rows import weights
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import BLOCK
+from specdec_jax._sampling import block_masses
 from specdec_jax._sampling import block_start
 from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import pick_block
 from specdec_jax._sampling import pick_in_block
 from specdec_jax._sampling import sanitize
 from specdec_jax._sampling import sharded_inverse_cdf
+from specdec_jax._stream import per_sequence
 
 
 class VerifyResult(NamedTuple):
@@ -157,6 +158,56 @@ def assemble(prep: Prepared, p_x, q_x, *, num_accepted, token, num_uniforms, tes
                       num_uniforms=num_uniforms, valid=error == 0, error=error)
 
 
+class RowStats(NamedTuple):
+  """What token-wise verification needs of the stop row, from one fused read.
+
+  Attributes:
+    masses: ``(ceil(V / block),)`` block sums of the sampling weights (the residual
+      ``max(p - q, 0)`` after a rejection, else ``p``), with every negative input
+      entry replaced by ``-inf`` so that the sum reveals it (NaN propagates).
+    p_masses: ``(ceil(V / block),)`` block sums of the ``p`` row, negative entries
+      again as ``-inf`` (its total checks normalisation; it is the fallback when the
+      residual is empty). Equal to ``masses`` when nothing was rejected.
+    q_sum: ``()`` sum of the ``q`` row after a rejection, else 0 (not read).
+  """
+
+  masses: jax.Array
+  p_masses: jax.Array
+  q_sum: jax.Array
+
+
+def weights(p_part, q_part, use_residual, dtype):
+  """Sampling weights of a slice of the stop row: ``max(p - q, 0)`` or ``p`` (unsanitised)."""
+  p_part = p_part.astype(dtype)
+  if q_part is None:
+    return p_part
+  return jnp.where(use_residual, jnp.maximum(p_part - q_part.astype(dtype), 0), p_part)
+
+
+def stop_row_stats(readers, row, q_row_index, rejected, *, vocab: int, block: int,
+                   dtype) -> RowStats:
+  """:class:`RowStats` of ``p[row]`` and (after a rejection) ``q[q_row_index]``, one pass.
+
+  The body of :func:`~specdec_jax._stream.per_sequence` in :func:`verify_rows`: a real
+  branch per sequence (and in the CPU batch loop), a select under plain ``vmap``.
+  """
+  read_p, read_q = readers
+  p_row = read_p(row, 0, vocab).astype(dtype)
+  poisoned_p = jnp.where(p_row < 0, -jnp.inf, p_row)
+
+  def accepted_all():  # the bonus row: one pass; its masses are p's
+    masses = block_masses(poisoned_p, block)
+    return RowStats(masses, masses, jnp.zeros_like(p_row[0]))  # typed like the row (shard_map)
+
+  def rejection():  # residual masses, and the sums that check both rows
+    q_row = read_q(q_row_index, 0, vocab).astype(dtype)
+    negative = (p_row < 0) | (q_row < 0)
+    raw = jnp.where(negative, -jnp.inf, jnp.maximum(p_row - q_row, 0))
+    return RowStats(block_masses(raw, block), block_masses(poisoned_p, block), jnp.sum(q_row))
+
+  return lax.cond(rejected, rejection, accepted_all)
+
+
 def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
                 axis_name: str | None = None) -> VerifyResult:
   """The rule on one sequence whose rows may be vocab-sharded (``axis_name``): the single body.
@@ -198,8 +249,9 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   row = num_accepted
   q_row_index = jnp.minimum(row, max(gamma - 1, 0))
   block = min(BLOCK, local_vocab)
-  masses, p_masses, q_sum = stop_row_stats(p, q, row, q_row_index, rejected, block=block,
-                                           dtype=dtype)
+  masses, p_masses, q_sum = per_sequence(
+    functools.partial(stop_row_stats, vocab=local_vocab, block=block, dtype=dtype), (p, q),
+    row, q_row_index, rejected & (gamma > 0))
   q_sum = psum_if(q_sum, axis_name)
   p_sum = psum_if(jnp.sum(p_masses), axis_name)
 

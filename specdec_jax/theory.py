@@ -17,6 +17,9 @@ Every function is pure ``jax.numpy`` and accepts arrays (batched by broadcasting
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,3 +214,100 @@ def block_expected_tokens(p, q) -> float:
 
   law = reference.block_output_distribution(p, q)
   return float(sum(len(tokens) * mass for tokens, mass in law.items()))
+
+
+class ChiSquare(NamedTuple):
+  """The result of :func:`chi_square_test`.
+
+  Attributes:
+    statistic: Pearson's statistic ``sum (observed - expected)^2 / expected`` over the bins
+      (``inf`` when a count falls on a probability-0 bin).
+    df: degrees of freedom, the number of bins minus one.
+    p_value: ``P(chi2_df >= statistic)``; 0 for a count on a probability-0 bin, 1 with one bin.
+    detail: expected and observed counts, for messages.
+  """
+
+  statistic: float
+  df: int
+  p_value: float
+  detail: str
+
+
+def _upper_gamma_regularized(a: float, x: float) -> float:
+  """``Q(a, x) = Gamma(a, x) / Gamma(a)`` in float64: series below ``a + 1``, else Lentz's
+  continued fraction (Press et al., "Numerical Recipes", Section 6.2)."""
+  if x <= 0:
+    return 1.0
+  log_front = a * math.log(x) - x - math.lgamma(a)
+  if x < a + 1:  # P(a, x) by its series
+    term = total = 1.0 / a
+    n = a
+    for _ in range(10_000):
+      n += 1
+      term *= x / n
+      total += term
+      if abs(term) < abs(total) * 1e-16:
+        break
+    return max(0.0, 1.0 - total * math.exp(log_front))
+  tiny = 1e-300
+  b = x + 1 - a
+  c = 1 / tiny
+  d = 1 / b
+  h = d
+  for i in range(1, 10_000):
+    an = -i * (i - a)
+    b += 2
+    d = an * d + b
+    d = tiny if abs(d) < tiny else d
+    c = b + an / c
+    c = tiny if abs(c) < tiny else c
+    d = 1 / d
+    delta = d * c
+    h *= delta
+    if abs(delta - 1) < 1e-16:
+      break
+  return math.exp(log_front) * h
+
+
+def chi_square_test(counts, probs, *, min_expected: float = 5.0) -> ChiSquare:
+  """Pearson's chi-square goodness-of-fit test of ``counts`` against ``probs`` (NumPy, float64).
+
+  The exactness checks of this project (tests, notebooks, the demo) use it: a sampler whose
+  output law is ``probs`` gives a p-value uniform in ``[0, 1]``. Bins of probability 0 must be
+  empty (a count there gives p-value 0 outright) and are left out; bins whose expected count is
+  below ``min_expected`` are pooled into one (so the chi-square approximation holds).
+
+  Args:
+    counts: ``(K,)`` observed counts.
+    probs: ``(K,)`` probabilities of the bins (normalised here).
+    min_expected: pool bins expected to hold fewer counts than this.
+
+  Returns:
+    :class:`ChiSquare` ``(statistic, df, p_value, detail)``.
+
+  Example:
+    >>> round(chi_square_test([48, 52], [0.5, 0.5]).p_value, 3)
+    0.689
+
+  Reference:
+    Pearson, "On the criterion that a given system of deviations ...", 1900.
+  """
+  observed = np.asarray(counts, dtype=np.float64)
+  probs = np.asarray(probs, dtype=np.float64)
+  probs = probs / probs.sum()
+  expected = probs * observed.sum()
+  detail = f"expected {np.round(expected, 1).tolist()}, observed {observed.astype(int).tolist()}"
+  if np.any((probs == 0) & (observed > 0)):
+    return ChiSquare(math.inf, int((probs > 0).sum()) - 1, 0.0, detail)
+  observed, expected = observed[probs > 0], expected[probs > 0]  # empty bins carry no test
+  big = expected >= min_expected
+  obs, exp = list(observed[big]), list(expected[big])
+  if (~big).any() and expected[~big].sum() > 0:
+    obs.append(observed[~big].sum())
+    exp.append(expected[~big].sum())
+  if len(obs) < 2:
+    return ChiSquare(0.0, 0, 1.0, detail)
+  obs_a, exp_a = np.array(obs), np.array(exp)
+  statistic = float(np.sum((obs_a - exp_a) ** 2 / exp_a))
+  df = len(obs) - 1
+  return ChiSquare(statistic, df, _upper_gamma_regularized(df / 2, statistic / 2), detail)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
 from specdec_jax import SamplingParams
 from specdec_jax import process_logits
+from specdec_jax._sampling import first_hit
+from specdec_jax._sampling import sanitize
 
 # The worked example of SPEC.md.
 P_EXAMPLE = np.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
@@ -172,3 +175,14 @@ def exact_sequence_probs(model, prompt, new: int, params: SamplingParams) -> np.
 def sequence_index(tokens: np.ndarray, vocab: int) -> np.ndarray:
   """Index of each row of ``tokens (n, k)`` in the lexicographic order of ``V ** k`` sequences."""
   return tokens @ (vocab ** np.arange(tokens.shape[1] - 1, -1, -1))
+
+
+def sample_index_cumsum(weights: jax.Array, u: jax.Array) -> jax.Array:
+  """The straightforward sampler: one cumulative sum over the whole row (for comparison).
+
+  Same semantics as :func:`sample_index`; slower, and its float32 partial sums
+  drift over long rows. Kept as the baseline the fast sampler is tested against.
+  """
+  w = sanitize(weights)
+  cdf = jnp.cumsum(w)
+  return first_hit(w, cdf, u * cdf[-1])

@@ -1,6 +1,6 @@
 """The benchmark runs end to end on a tiny configuration, and its baselines are exact samplers.
 
-No timing is asserted: the smoke tests only check that ``python -m specdec_jax.bench --tiny``
+No timing is asserted: the smoke tests only check that ``python -m specdec_jax.app.bench --tiny``
 exits 0 and prints its tables. The baselines are checked against the exact law of one step
 (:func:`specdec_jax.reference.output_distribution`) with a chi-square test, so the speed-ups the
 benchmark reports are over correct samplers.
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from specdec_jax import reference
-from specdec_jax.bench import eager_recovery_verify
-from specdec_jax.bench import main
-from specdec_jax.bench import torch_speculative_sampling
+from specdec_jax.app.baselines import eager_recovery_verify
+from specdec_jax.app.baselines import torch_speculative_sampling
+from specdec_jax.app.bench import main
 from tests._helpers import P_EXAMPLE
 from tests._helpers import Q_EXAMPLE
 from tests._helpers import chi_square_pvalue
@@ -32,7 +32,7 @@ TRIALS = 100_000
 
 def _run_bench(*flags: str) -> str:
   proc = subprocess.run(
-    [sys.executable, "-m", "specdec_jax.bench", "--tiny", *flags],
+    [sys.executable, "-m", "specdec_jax.app.bench", "--tiny", *flags],
     cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
   )
   assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"

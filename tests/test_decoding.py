@@ -23,9 +23,9 @@ from specdec_jax import verify
 from specdec_jax.decoding import VERIFIERS
 from specdec_jax.decoding import DecodeStats
 from specdec_jax.decoding import PromptLookup
-from specdec_jax.decoding import _lookup_row
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate
+from specdec_jax.decoding.drafts import lookup_row
 from specdec_jax.models import Model
 from specdec_jax.models.toy import make_toy_model
 from tests._helpers import chi_square_pvalue
@@ -374,7 +374,7 @@ LOOKUP_CASES = [
 
 
 def test_lookup_proposals():
-  lookup = jax.jit(_lookup_row, static_argnums=(2, 3))
+  lookup = jax.jit(lookup_row, static_argnums=(2, 3))
   for row, length, max_ngram, expected in LOOKUP_CASES:
     # Junk after the row's length must not matter (it may hold stale tokens).
     padded = jnp.asarray(row + [1, 2, 3, 9, 4, 1, 2, 8][: 12 - len(row)], jnp.int32)

@@ -16,7 +16,7 @@ import pytest
 
 from specdec_jax import sample_index
 from specdec_jax import verify
-from specdec_jax._sampling import sample_index_cumsum
+from tests._helpers import sample_index_cumsum
 
 
 def _rows(rng, batch, vocab, dtype):

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specdec_jax.app.gguf import unpermute_rope_rows
 from specdec_jax.models import llama
-from specdec_jax.models.gguf_loader import unpermute_rope_rows
 from specdec_jax.models.protocol import Model
 
 REF_TOL = {"atol": 1e-4, "rtol": 1e-4}  # float32 JAX vs float64 NumPy

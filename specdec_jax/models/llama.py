@@ -8,7 +8,7 @@ head (the embedding matrix itself when ``tie_embeddings``).
 RoPE (Su et al. 2021, "RoFormer", arXiv:2104.09864) is used in the *rotate-half* form of
 Hugging Face ``transformers``: in every head, dimension ``i`` is rotated together with
 dimension ``i + head_dim / 2``. GGUF files store the q/k projections permuted for llama.cpp's
-*interleaved* pairing ``(2i, 2i + 1)``; :mod:`specdec_jax.models.gguf_loader` undoes that
+*interleaved* pairing ``(2i, 2i + 1)``; :mod:`specdec_jax.app.gguf` undoes that
 permutation at load time, so the parameters here are in the Hugging Face layout.
 
 The KV cache has a fixed ``max_len`` slots per layer. The token at position ``t`` is written

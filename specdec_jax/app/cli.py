@@ -1,0 +1,207 @@
+"""The command line, ``python -m specdec_jax``: argument parsing and dispatch, nothing else.
+
+Subcommands:
+
+- ``examples``: walk both worked examples of SPEC.md step by step (:mod:`.demo`).
+- ``simulate``: ``jax.jit(jax.vmap(verify))`` over many random steps against the theory.
+- ``generate --prompt ...``: plain and speculative decoding of a prompt with
+  SmolLM2-135M-Instruct on this CPU (:mod:`.e2e`).
+- ``bench-e2e``: the same on the built-in prompts, every draft, greedy and sampled, timed.
+
+Without a subcommand ``examples`` and ``simulate`` run, then (when the model package is
+installed) the end-to-end demo. Every argument is validated by the parser; expected failures
+(a missing model package, a prompt over the model's context) print one line and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from collections.abc import Sequence
+
+from specdec_jax.app import demo
+from specdec_jax.app import e2e
+from specdec_jax.app import smollm2
+
+
+def positive_int(text: str) -> int:
+  """argparse type: an integer ``>= 1``."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+  return value
+
+
+def non_negative_int(text: str) -> int:
+  """argparse type: an integer ``>= 0``."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+  return value
+
+
+def seed(text: str) -> int:
+  """argparse type: a seed in ``[0, 2**32)``."""
+  value = non_negative_int(text)
+  if value >= 2**32:
+    raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {value}")
+  return value
+
+
+def temperature(text: str) -> float:
+  """argparse type: a finite number ``>= 0`` (0 is greedy)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+  if not 0 <= value < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 is greedy), got {text}")
+  return value
+
+
+def prompt(text: str) -> str:
+  """argparse type: a non-empty prompt that is valid UTF-8."""
+  if not text.strip():
+    raise argparse.ArgumentTypeError("the prompt is empty; give the text of a user message")
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as err:  # bytes that are not UTF-8 arrive as lone surrogates
+    byte = ord(err.object[err.start]) - 0xDC00  # Python's surrogateescape of that byte
+    raise argparse.ArgumentTypeError(
+      f"the prompt is not valid UTF-8 (byte 0x{byte:02x} at character {err.start}); pass UTF-8 "
+      "text") from None
+  return text
+
+
+def branching(text: str) -> tuple[int, ...]:
+  """argparse type: a draft tree as candidates per node at each depth, e.g. ``2,2,1,1``."""
+  try:
+    counts = tuple(int(x) for x in text.split(","))
+  except ValueError:
+    counts = ()
+  if not counts or min(counts) < 1:
+    raise argparse.ArgumentTypeError(f"expected counts >= 1 like 2,2,1,1, got {text!r}")
+  return counts
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+  """Options of ``simulate``."""
+  parser.add_argument("--trials", type=positive_int, default=100_000,
+                      help="number of verification steps (default: %(default)s)")
+  parser.add_argument("--gamma", type=non_negative_int, default=4,
+                      help="draft length (default: %(default)s)")
+  parser.add_argument("--vocab", type=positive_int, default=8,
+                      help="vocabulary size V (default: %(default)s)")
+  parser.add_argument("--seed", type=seed, default=0,
+                      help="seed for the distributions, drafts and uniforms (default: %(default)s)")
+
+
+def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
+  """Options shared by ``generate`` and ``bench-e2e``."""
+  if generate_command:
+    parser.add_argument("--prompt", required=True, type=prompt,
+                        help="the user message (chat template added)")
+  parser.add_argument("--draft", nargs="+", default=list(e2e.DRAFTS), choices=e2e.DRAFTS,
+                      help="drafts to compare with plain decoding (default: all)")
+  parser.add_argument("--gamma", type=positive_int, default=4,
+                      help="proposals per step (default 4)")
+  parser.add_argument("--temperature", type=temperature, nargs="+",
+                      default=[0.0] if generate_command else [0.0, 0.7],
+                      help="sampling temperatures; 0 is greedy")
+  parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+  parser.add_argument("--verifier", nargs="+", default=["token"],
+                      choices=("token", "block", "tree"),
+                      help="token-wise (default), block verification (Sun et al. 2024) and/or a "
+                           "top-k draft tree (model drafts only; see --tree)")
+  parser.add_argument("--tree", type=branching, default=e2e.DEFAULT_TREE,
+                      help="the draft tree of --verifier tree: candidates per node at each depth, "
+                           "e.g. 2,2,1,1 (default)")
+  parser.add_argument("--repeats", type=positive_int, default=1 if generate_command else 5,
+                      help="timed runs after the compiling one (median)")
+  parser.add_argument("--seed", type=seed, default=0)
+  parser.add_argument("--seeds", type=positive_int, default=1,
+                      help="run sampled requests with this many seeds and summarise (default 1)")
+
+
+def defaults(add_options: Callable[[argparse.ArgumentParser], None]) -> argparse.Namespace:
+  """The default values of a set of options, as a namespace."""
+  parser = argparse.ArgumentParser(add_help=False)
+  add_options(parser)
+  return parser.parse_args([])
+
+
+def _e2e_demo_defaults() -> argparse.Namespace:
+  args = defaults(lambda p: add_e2e_arguments(p, generate_command=False))
+  args.repeats, args.max_new_tokens = 1, 64
+  return args
+
+
+def run_generate(args: argparse.Namespace) -> int:
+  """``generate``: plain and speculative decoding of the user's prompt on SmolLM2."""
+  return e2e.run_cli(args, prompts={"prompt": args.prompt})
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+  """``bench-e2e``: the built-in prompts, every draft, greedy and sampled, timed."""
+  return e2e.run_cli(args, prompts=e2e.PROMPTS)
+
+
+def run_all(args: argparse.Namespace) -> int:
+  """No subcommand: ``examples``, ``simulate``, then the real model if it is installed."""
+  code = demo.run_examples(args)
+  code = max(code, demo.run_simulate(defaults(add_simulate_arguments)))
+  demo.banner("Speculative decoding end to end: SmolLM2-135M-Instruct on this CPU")
+  try:
+    smollm2.find_smollm2_gguf()
+  except FileNotFoundError as err:
+    print(f"  skipped: {err}")
+    return code
+  return max(code, run_e2e(_e2e_demo_defaults()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The ``python -m specdec_jax`` argument parser; each subcommand sets ``func``."""
+  parser = argparse.ArgumentParser(
+    prog="python -m specdec_jax",
+    description="Demo of exact speculative-decoding verification. Without a subcommand, "
+    "run `examples` and then `simulate` with its defaults.",
+  )
+  parser.set_defaults(func=run_all)
+  sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
+  commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
+    "examples": ("walk both worked examples of SPEC.md step by step", demo.run_examples),
+    "simulate": ("run jax.vmap(verify) over many random steps and compare with the theory",
+                 demo.run_simulate),
+    "generate": ("plain vs speculative decoding of your prompt with SmolLM2-135M-Instruct",
+                 run_generate),
+    "bench-e2e": ("time plain vs speculative decoding on the built-in prompts (SmolLM2)",
+                  run_e2e),
+  }
+  for name, (help_text, func) in commands.items():
+    command = sub.add_parser(name, help=help_text, description=help_text)
+    command.set_defaults(func=func)
+    if name == "simulate":
+      add_simulate_arguments(command)
+    elif name in ("generate", "bench-e2e"):
+      add_e2e_arguments(command, generate_command=name == "generate")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point of ``python -m specdec_jax``.
+
+  Args:
+    argv: command-line arguments without the program name; ``sys.argv[1:]`` if None.
+
+  Returns:
+    The exit code: 0 when everything agrees, 1 otherwise, 2 for an expected failure
+    (argparse also exits with 2 on bad usage).
+  """
+  args = build_parser().parse_args(argv)
+  return args.func(args)

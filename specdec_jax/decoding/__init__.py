@@ -1,0 +1,51 @@
+"""Decoding loops: plain autoregressive sampling and exact speculative decoding, fully jitted.
+
+The package, one module per concern: ``types`` (results and loop state), ``args`` (host-side
+argument checks), ``common`` (the traced pieces every loop shares), ``plain`` (:func:`generate`),
+``drafts`` and ``chain`` (:func:`speculative_generate` and its drafts), ``tree``
+(:class:`DraftTree` and :func:`tree_speculative_generate`).
+
+Both loops run a whole batch inside one compiled ``jax.lax.while_loop`` with fixed
+shapes. Every row has its own length (ragged batches), its own keys and its own stop
+(``eos_id`` or ``max_new_tokens``); finished rows stop changing while the others go on.
+Models enter through the :class:`~specdec_jax.models.protocol.Model` protocol: a
+cache slot per position, so rolling back rejected proposals is just moving a length.
+
+* :func:`generate`: one target call per token (the baseline).
+* :func:`speculative_generate`: a draft proposes ``gamma`` tokens, the target scores
+  them in one call and a verifier (default :func:`~specdec_jax.verify`) keeps a prefix
+  plus one token of its own, so the output is distributed exactly as :func:`generate`'s.
+  The draft is another :class:`Model` (a small model, or the target with layers
+  skipped) or :class:`PromptLookup` (n-gram matches in the context, no model at all).
+* :func:`tree_speculative_generate`: a draft model proposes a :class:`DraftTree` of
+  candidates, the target scores every node in one call with tree attention and
+  :func:`~specdec_jax.tree_verify` keeps one path plus a token of its own.
+"""
+
+from specdec_jax.decoding.chain import VERIFIERS
+from specdec_jax.decoding.chain import Verifier
+from specdec_jax.decoding.chain import speculative_generate
+from specdec_jax.decoding.drafts import Draft
+from specdec_jax.decoding.drafts import PromptLookup
+from specdec_jax.decoding.plain import generate
+from specdec_jax.decoding.tree import TREE_LAWS
+from specdec_jax.decoding.tree import DraftTree
+from specdec_jax.decoding.tree import tree_speculative_generate
+from specdec_jax.decoding.types import DecodeStats
+from specdec_jax.decoding.types import GenerateResult
+from specdec_jax.decoding.types import SpeculativeResult
+
+__all__ = (
+  "TREE_LAWS",
+  "VERIFIERS",
+  "DecodeStats",
+  "Draft",
+  "DraftTree",
+  "GenerateResult",
+  "PromptLookup",
+  "SpeculativeResult",
+  "Verifier",
+  "generate",
+  "speculative_generate",
+  "tree_speculative_generate",
+)

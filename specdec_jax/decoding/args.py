@@ -1,0 +1,147 @@
+"""Host-side argument handling of the decoding loops: runs once per call, outside ``jit``.
+
+Shapes, dtypes and static arguments always raise; values raise where this host can read them
+(:func:`~specdec_jax._checks.is_concrete`), and otherwise are clipped under ``jit`` and flagged
+in the result's ``error`` (see :func:`~specdec_jax.decoding.common.make_common`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax._checks import INT
+from specdec_jax._checks import host_array
+from specdec_jax._checks import is_concrete
+from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import check_params
+from specdec_jax.decoding.types import ModelFns
+from specdec_jax.models.protocol import Model
+
+
+def model_fns(model: Model, name: str, arg: str) -> ModelFns:
+  if not isinstance(model, Model):
+    raise TypeError(
+      f"{name}: `{arg}` must be a specdec_jax.models.Model, got {type(model).__name__} instead."
+    )
+  return ModelFns(model.apply, model.init_cache, int(model.vocab_size))
+
+
+def check_prompt(prompt_tokens, prompt_lengths, name: str, vocab: int):
+  """Shapes and dtypes always; values when the host can read them (raise), else flagged in jit."""
+  prompt_tokens = jnp.asarray(host_array(name, "prompt_tokens", prompt_tokens, INT))
+  prompt_lengths = jnp.asarray(host_array(name, "prompt_lengths", prompt_lengths, INT))
+  if prompt_tokens.ndim != 2 or prompt_tokens.shape[1] < 1:
+    raise ValueError(
+      f"{name}: `prompt_tokens` must have shape (B, P) with P >= 1, got "
+      f"{tuple(prompt_tokens.shape)} instead."
+    )
+  if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+    raise TypeError(f"{name}: `prompt_tokens` must be integer, got {prompt_tokens.dtype} instead.")
+  batch, width = prompt_tokens.shape
+  if prompt_lengths.shape != (batch,) or not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+    raise ValueError(
+      f"{name}: `prompt_lengths` must be an integer array of shape (B,) = ({batch},), got "
+      f"{prompt_lengths.dtype}{tuple(prompt_lengths.shape)} instead."
+    )
+  if is_concrete(prompt_lengths):
+    lengths = np.asarray(prompt_lengths)
+    if lengths.size and not ((lengths >= 1).all() and (lengths <= width).all()):
+      raise ValueError(
+        f"{name}: `prompt_lengths` must be in [1, P] = [1, {width}], got {lengths.tolist()} "
+        "instead."
+      )
+    if is_concrete(prompt_tokens):
+      tokens = np.asarray(prompt_tokens)
+      real = np.arange(width)[None, :] < lengths[:, None]
+      bad = real & ((tokens < 0) | (tokens >= vocab))
+      if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+          f"{name}: `prompt_tokens` ids must be in [0, V) = [0, {vocab}) within each row's "
+          f"length, got {int(tokens[row, col])} at (row {row}, position {col})."
+        )
+  # Compare in the tokens' own dtype before the int32 cast, so nothing wraps into range.
+  tokens_ok = (prompt_tokens >= 0) & (prompt_tokens < vocab)
+  return prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), tokens_ok
+
+
+def row_keys(key, batch: int, name: str) -> jax.Array:
+  """One key per row: ``split(key, B)`` for a single key, or ``key`` itself if it has B rows."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  single_ndim = 0 if typed else 1
+  if key.ndim == single_ndim:
+    return jax.random.split(key, batch)
+  if key.ndim == single_ndim + 1 and key.shape[0] == batch:
+    return key
+  raise ValueError(
+    f"{name}: `key` must be one key or a batch of B = {batch} keys, got shape "
+    f"{tuple(key.shape)} ({key.dtype}) instead."
+  )
+
+
+def batch_params(params: SamplingParams, batch: int, name: str) -> SamplingParams:
+  """Check (:func:`~specdec_jax._logits.check_params`) and broadcast every field to ``(B,)``."""
+  check_params(params, name, batch)
+  dtypes = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32}
+  fields = {}
+  for field, value in zip(params._fields, params, strict=True):
+    if value is None:
+      fields[field] = None
+      continue
+    array = jnp.asarray(value)
+    if field == "top_k":  # clip in its own dtype before the cast (no wrap-around)
+      array = jnp.clip(array, -1, np.iinfo(np.int32).max)
+    fields[field] = jnp.broadcast_to(array.astype(dtypes[field]), (batch,))
+  return SamplingParams(**fields)
+
+
+def check_budget(max_new_tokens, max_len, width: int, lengths, name: str,
+                  contexts: tuple[tuple[str, int | None], ...]) -> tuple[int, int | None]:
+  """``(max_len, context)``: the static buffer length and the models' context (``None``: none).
+
+  A row needs ``length + max_new_tokens`` slots; with concrete lengths a budget that does
+  not fit the buffer or a model's context raises, with traced lengths the rows that run out
+  of room stop early and are flagged ``OUT_OF_ROOM``.
+  """
+  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer)
+      or max_new_tokens < 1):
+    raise ValueError(f"{name}: `max_new_tokens` must be an int >= 1, got {max_new_tokens!r}.")
+  if max_len is None:
+    max_len = width + int(max_new_tokens)
+  elif isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < width:
+    raise ValueError(
+      f"{name}: `max_len` must be an int >= P = {width} (the prompt width), got {max_len!r} "
+      "instead."
+    )
+  known = [(arg, int(c)) for arg, c in contexts if c is not None]
+  context = min((c for _, c in known), default=None)
+  if is_concrete(lengths):
+    need = int(np.max(np.asarray(lengths))) + int(max_new_tokens)
+    if need > max_len:
+      raise ValueError(
+        f"{name}: `max_len` = {max_len} has no room for the longest prompt plus "
+        f"`max_new_tokens` = {need} tokens; pass max_len >= {need} (or None)."
+      )
+    for arg, c in known:
+      if need > c:
+        raise ValueError(
+          f"{name}: the longest prompt plus `max_new_tokens` is {need} tokens, more than the "
+          f"{c} positions the `{arg}` model was trained for (its context_length)."
+        )
+  return int(max_len), context
+
+
+def check_eos(eos_id, name: str, vocab: int) -> jax.Array:
+  if eos_id is None:
+    return jnp.int32(-1)
+  eos = host_array(name, "eos_id", eos_id, INT)
+  if jnp.shape(eos) != ():
+    raise ValueError(f"{name}: `eos_id` must be one token id, got shape {jnp.shape(eos)}.")
+  if is_concrete(eos) and not 0 <= int(eos) < vocab:
+    raise ValueError(
+      f"{name}: `eos_id` must be a token id in [0, V) = [0, {vocab}) or None, got {eos_id!r}."
+    )
+  return jnp.clip(jnp.asarray(eos), -1, vocab).astype(jnp.int32)

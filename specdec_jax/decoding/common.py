@@ -1,0 +1,178 @@
+"""The traced pieces every decoding loop shares: buffers, prefill, appending tokens, stats."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax._errors import ErrorCode
+from specdec_jax._errors import flag
+from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import params_error
+from specdec_jax._logits import process_logits
+from specdec_jax._sampling import sample_index
+from specdec_jax.decoding.types import Common
+from specdec_jax.decoding.types import DecodeStats
+from specdec_jax.decoding.types import ModelFns
+from specdec_jax.decoding.types import SpecState
+from specdec_jax.decoding.types import SpeculativeResult
+
+
+def batch_rows(batch: int) -> jax.Array:
+  return jnp.arange(batch, dtype=jnp.int32)
+
+
+def model_ids(tokens: jax.Array, vocab: int) -> jax.Array:
+  """Tokens as a model sees them: padding (``pad_id``, stale slots) clipped into ``[0, V)``."""
+  return jnp.clip(tokens, 0, vocab - 1)
+
+
+def processed(logits: jax.Array, params: SamplingParams) -> jax.Array:
+  """Processed distributions of ``(B, V)`` or ``(B, T, V)`` logits with per-row params."""
+  return jax.vmap(process_logits)(logits, params)
+
+
+def uniform(key: jax.Array, shape=()) -> jax.Array:
+  return jax.random.uniform(key, shape, jnp.float32)
+
+
+def prefill(fns: ModelFns, model_params, prompt, prompt_lengths, cache_len: int):
+  """One ``apply`` over the whole prompt; each row's logits at its own last prompt position."""
+  batch, width = prompt.shape
+  cache = fns.init_cache(batch, cache_len)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
+  logits, cache = fns.apply(model_params, model_ids(prompt, fns.vocab_size), positions, cache)
+  return logits[batch_rows(batch), prompt_lengths - 1], cache
+
+
+def init_buffer(prompt, prompt_lengths, max_len: int, pad_id: int) -> jax.Array:
+  batch, width = prompt.shape
+  slots = jnp.arange(width, dtype=jnp.int32)[None]
+  prompt = jnp.where(slots < prompt_lengths[:, None], prompt, jnp.int32(pad_id))
+  buffer = jnp.full((batch, max_len), pad_id, jnp.int32)
+  return buffer.at[:, :width].set(prompt)
+
+
+def advance(tokens, lengths, done, new, counts, common: Common):
+  """Append the first ``counts[b]`` of ``new[b]`` to each unfinished row, cut at eos / budget.
+
+  Args:
+    tokens: int32 ``(B, max_len)`` buffer.
+    lengths: int32 ``(B,)``.
+    done: bool ``(B,)``; finished rows are left alone.
+    new: int32 ``(B, K)`` candidate tokens.
+    counts: int32 ``(B,)`` how many of them are real.
+    common: per-row constants.
+
+  Returns:
+    ``(tokens, lengths, done, written)`` with ``written`` int32 ``(B,)``.
+  """
+  width = new.shape[1]
+  slots = jnp.arange(width, dtype=jnp.int32)[None]
+  counts = jnp.minimum(counts, common.stop_len - lengths)
+  counts = jnp.where(done, 0, jnp.maximum(counts, 0))
+  is_eos = (new == common.eos_id) & (slots < counts[:, None])
+  has_eos = jnp.any(is_eos, axis=1)
+  counts = jnp.where(has_eos, jnp.argmax(is_eos, axis=1).astype(jnp.int32) + 1, counts)
+  index = jnp.where(slots < counts[:, None], lengths[:, None] + slots, tokens.shape[1])
+  tokens = tokens.at[batch_rows(tokens.shape[0])[:, None], index].set(new, mode="drop")
+  lengths = lengths + counts
+  done = done | has_eos | (lengths >= common.stop_len)
+  return tokens, lengths, done, counts
+
+
+def nonfinite_rows(probs: jax.Array) -> jax.Array:
+  """``NONFINITE`` for each row ``(B, ..., V)`` whose processed distribution is NaN, else 0."""
+  bad = jnp.isnan(jnp.sum(probs, axis=-1))
+  return flag(bad.reshape(bad.shape[0], -1).any(axis=1), ErrorCode.NONFINITE)
+
+
+def make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id, *, max_new_tokens: int,
+            max_len: int, context: int | None, vocab: int) -> tuple[Common, jax.Array]:
+  """The per-row constants of a loop and each row's error bits from its arguments.
+
+  A row stops at ``min(length + max_new_tokens, max_len, context)``; ``room`` marks the rows
+  whose budget does not fit. Bits: a prompt id outside ``[0, V)`` (TOKEN_OUT_OF_RANGE), a
+  sampling parameter or ``eos_id`` out of range (BAD_PARAMS; traced values only, concrete
+  ones raised on the host).
+  """
+  capacity = max_len if context is None else min(max_len, context)
+  want = prompt_lengths + max_new_tokens
+  stop_len = jnp.minimum(want, capacity)
+  real = jnp.arange(prompt.shape[1], dtype=jnp.int32)[None] < prompt_lengths[:, None]
+  bad_eos = (eos_id < -1) | (eos_id >= vocab)  # -1: no eos
+  error = (flag(jnp.any(real & ~tokens_ok, axis=1), ErrorCode.TOKEN_OUT_OF_RANGE)
+           | jax.vmap(params_error)(params) | flag(bad_eos, ErrorCode.BAD_PARAMS))
+  return Common(row_keys, prompt_lengths, stop_len, params, eos_id, want > capacity), error
+
+
+def flag_out_of_room(error, tokens, lengths, common: Common) -> jax.Array:
+  """Add ``OUT_OF_ROOM`` to the rows that stopped at a full buffer or context, not at eos."""
+  last = tokens[batch_rows(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
+  cut = common.room & (lengths >= common.stop_len) & (last != common.eos_id)
+  return error | flag(cut, ErrorCode.OUT_OF_ROOM)
+
+
+def first_token(logits, common: Common):
+  """Each row's first new token from its prefill logits (key ``fold_in(row_key, 0)``), and
+  ``NONFINITE`` bits for rows whose distribution was NaN."""
+  probs = processed(logits, common.params)
+  u = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0)))(common.row_keys)
+  return jax.vmap(sample_index)(probs, u)[:, None], nonfinite_rows(probs)
+
+
+def prefill_and_start(target: ModelFns, target_params, prompt, common: Common, max_len: int,
+                      cache_len: int, pad_id: int):
+  """Prefill the target, emit the first token: ``(tokens, lengths, done, cache, error)``."""
+  tokens = init_buffer(prompt, common.prompt_lengths, max_len, pad_id)
+  logits, cache = prefill(target, target_params, prompt, common.prompt_lengths, cache_len)
+  lengths = common.prompt_lengths
+  done = lengths >= common.stop_len
+  first, error = first_token(logits, common)
+  ones = jnp.ones_like(lengths)
+  tokens, lengths, done, _ = advance(tokens, lengths, done, first, ones, common)
+  return tokens, lengths, done, cache, jnp.where(common.prompt_lengths < common.stop_len, error, 0)
+
+
+def make_stats(target_calls, draft_calls, row_calls, proposals, accepted, proposed_at, accepted_at,
+           num_new) -> DecodeStats:
+  per_call = num_new.astype(jnp.float32) / jnp.maximum(row_calls, 1).astype(jnp.float32)
+  return DecodeStats(target_calls, draft_calls, row_calls, proposals, accepted, proposed_at,
+                     accepted_at, num_new, per_call)
+
+
+def after_verify(s: SpecState, result, common: Common, *, active, target_cache, draft_cache,
+                  draft_calls, proposals, depth) -> SpecState:
+  """The loop state after one verification (chain or tree) of every row.
+
+  Appends each active row's emitted tokens (cut at eos / budget) and updates the
+  counters: ``proposals`` (B,) draft tokens verified, ``depth`` (B,) how many draft
+  positions (chain) or depths (tree) could be accepted this iteration.
+  """
+  counts = jnp.where(active, result.num_tokens, 0)
+  tokens, lengths, done, _ = advance(s.tokens, s.lengths, s.done, result.tokens, counts, common)
+  accepted = jnp.where(active, result.num_accepted, 0)
+  at = jnp.arange(s.proposed_at.shape[1], dtype=jnp.int32)[None]
+  return SpecState(
+    tokens=tokens,
+    lengths=lengths,
+    done=done,
+    target_cache=target_cache,
+    draft_cache=draft_cache,
+    target_calls=s.target_calls + 1,
+    draft_calls=draft_calls,
+    row_calls=s.row_calls + active.astype(jnp.int32),
+    proposals=s.proposals + proposals,
+    accepted=s.accepted + accepted,
+    proposed_at=s.proposed_at + (at < depth[:, None]).astype(jnp.int32),
+    accepted_at=s.accepted_at + (at < accepted[:, None]).astype(jnp.int32),
+    error=s.error | jnp.where(active, result.error, 0),
+  )
+
+
+def speculative_result(s: SpecState, common: Common) -> SpeculativeResult:
+  num_new = s.lengths - common.prompt_lengths
+  stats = make_stats(s.target_calls, s.draft_calls, s.row_calls, s.proposals, s.accepted,
+                 s.proposed_at, s.accepted_at, num_new)
+  error = flag_out_of_room(s.error, s.tokens, s.lengths, common)
+  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, error)

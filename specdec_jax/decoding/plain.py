@@ -1,0 +1,138 @@
+"""Plain autoregressive decoding (:func:`generate`): the baseline every speculative loop matches."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specdec_jax._logits import SamplingParams
+from specdec_jax._sampling import sample_index
+from specdec_jax.decoding.args import batch_params
+from specdec_jax.decoding.args import check_budget
+from specdec_jax.decoding.args import check_eos
+from specdec_jax.decoding.args import check_prompt
+from specdec_jax.decoding.args import model_fns
+from specdec_jax.decoding.args import row_keys as make_row_keys
+from specdec_jax.decoding.common import advance
+from specdec_jax.decoding.common import batch_rows
+from specdec_jax.decoding.common import flag_out_of_room
+from specdec_jax.decoding.common import make_common
+from specdec_jax.decoding.common import make_stats
+from specdec_jax.decoding.common import model_ids
+from specdec_jax.decoding.common import nonfinite_rows
+from specdec_jax.decoding.common import prefill_and_start
+from specdec_jax.decoding.common import processed
+from specdec_jax.decoding.common import uniform
+from specdec_jax.decoding.types import GenerateResult
+from specdec_jax.decoding.types import GenerateState
+from specdec_jax.decoding.types import ModelFns
+from specdec_jax.models.protocol import Model
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("target", "max_new_tokens", "max_len", "context", "pad_id"),
+)
+def generate_loop(target_params, prompt, prompt_lengths, tokens_ok, row_keys, params, eos_id, *,
+                   target: ModelFns, max_new_tokens: int, max_len: int, context: int | None,
+                   pad_id: int):
+  batch = prompt.shape[0]
+  rows = batch_rows(batch)
+  common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
+                          max_new_tokens=max_new_tokens, max_len=max_len, context=context,
+                          vocab=target.vocab_size)
+  tokens, lengths, done, cache, first_error = prefill_and_start(
+    target, target_params, prompt, common, max_len, max_len, pad_id)
+  zero = jnp.int32(0)
+  state = GenerateState(tokens, lengths, done, cache, zero + 1,
+                         (prompt_lengths < common.stop_len).astype(jnp.int32),
+                         error | first_error)
+
+  def cond(s: GenerateState):
+    return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
+
+  def body(s: GenerateState):
+    last = s.lengths - 1
+    inputs = model_ids(s.tokens[rows, last], target.vocab_size)[:, None]
+    logits, cache = target.apply(target_params, inputs, last[:, None], s.cache)
+    probs = processed(logits[:, 0], params)
+    num_new = s.lengths - prompt_lengths
+    u = jax.vmap(lambda k, n: uniform(jax.random.fold_in(k, n)))(row_keys, num_new)
+    new = jax.vmap(sample_index)(probs, u)[:, None]
+    active = ~s.done
+    tokens, lengths, done, _ = advance(s.tokens, s.lengths, s.done, new,
+                                        jnp.ones_like(s.lengths), common)
+    return GenerateState(tokens, lengths, done, cache, s.target_calls + 1,
+                          s.row_calls + active.astype(jnp.int32),
+                          s.error | jnp.where(active, nonfinite_rows(probs), 0))
+
+  s = lax.while_loop(cond, body, state)
+  num_new = s.lengths - prompt_lengths
+  empty = jnp.zeros((batch, 0), jnp.int32)
+  stats = make_stats(s.target_calls, zero, s.row_calls, jnp.zeros_like(num_new),
+                 jnp.zeros_like(num_new), empty, empty, num_new)
+  return GenerateResult(s.tokens, s.lengths, num_new, stats,
+                        flag_out_of_room(s.error, s.tokens, s.lengths, common))
+
+
+
+
+def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
+             *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
+             eos_id: int | None = None, max_len: int | None = None,
+             pad_id: int = -1) -> GenerateResult:
+  """Plain autoregressive decoding: one target call per token, as one jitted while loop.
+
+  The prompt is prefilled with one ``apply`` call (``T = P``, positions ``0 .. P - 1``;
+  right padding is fine, each row's padding slots are overwritten before they are
+  read) and the first token is sampled from each row's logits at its own last prompt
+  position. Then a ``lax.while_loop`` feeds each row's last token and samples the next
+  from ``process_logits(logits, params)`` by inverse CDF
+  (:func:`~specdec_jax.sample_index`; ``temperature == 0`` is greedy). Row ``b``'s
+  ``n``-th new token (from 0) uses the uniform ``uniform(fold_in(row_key[b], n))``, so
+  a row's output does not depend on the rest of the batch. A row stops after
+  ``max_new_tokens`` new tokens, after emitting ``eos_id``, or when the buffer is full.
+
+  Args:
+    model: the target :class:`Model`. Its ``apply``/``init_cache`` are static: reuse
+      the same functions to reuse the compiled loop.
+    prompt_tokens: int ``(B, P)`` right-padded prompts.
+    prompt_lengths: int ``(B,)`` in ``[1, P]``.
+    key: one ``jax.random`` key (split into one per row) or ``B`` keys, one per row.
+    max_new_tokens: static int ``>= 1``.
+    params: :class:`~specdec_jax.SamplingParams`; each field a scalar or ``(B,)``.
+    eos_id: optional token id that ends a row (it is kept in the output).
+    max_len: static buffer and cache length, ``>= P``; default ``P + max_new_tokens``.
+    pad_id: static int written after each row's last token.
+
+  Returns:
+    :class:`GenerateResult` with ``tokens`` ``(B, max_len)``, ``lengths``, ``num_new``
+    ``(B,)`` and :class:`DecodeStats`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from specdec_jax import SamplingParams
+    >>> from specdec_jax.models.toy import make_toy_model
+    >>> model = make_toy_model(jax.random.key(0), vocab_size=8)
+    >>> out = generate(model, jnp.array([[1, 2, 3], [4, 0, 0]]), jnp.array([3, 1]),
+    ...                jax.random.key(1), max_new_tokens=4, params=SamplingParams(0.0))
+    >>> out.num_new.tolist(), out.lengths.tolist(), int(out.stats.target_calls)
+    ([4, 4], [7, 5], 4)
+
+  Reference:
+    Radford et al., "Language Models are Unsupervised Multitask Learners", 2019
+    (autoregressive sampling); Holtzman et al. 2020, arXiv:1904.09751 (top-p).
+  """
+  name = "generate"
+  fns = model_fns(model, name, "model")
+  prompt, lengths, tokens_ok = check_prompt(prompt_tokens, prompt_lengths, name, fns.vocab_size)
+  batch, width = prompt.shape
+  max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name,
+                                   (("model", model.context_length),))
+  return generate_loop(model.params, prompt, lengths, tokens_ok, make_row_keys(key, batch, name),
+                       batch_params(params, batch, name), check_eos(eos_id, name, fns.vocab_size),
+                       target=fns, max_new_tokens=int(max_new_tokens), max_len=max_len,
+                       context=context, pad_id=int(pad_id))

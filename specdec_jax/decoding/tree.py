@@ -1,0 +1,408 @@
+"""Exact speculative decoding with a draft tree (:func:`tree_speculative_generate`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import process_logits
+from specdec_jax._sampling import sample_index
+from specdec_jax._tree import tree_verify
+from specdec_jax.decoding.args import batch_params
+from specdec_jax.decoding.args import check_budget
+from specdec_jax.decoding.args import check_eos
+from specdec_jax.decoding.args import check_prompt
+from specdec_jax.decoding.args import model_fns
+from specdec_jax.decoding.args import row_keys as make_row_keys
+from specdec_jax.decoding.common import after_verify
+from specdec_jax.decoding.common import batch_rows
+from specdec_jax.decoding.common import make_common
+from specdec_jax.decoding.common import model_ids
+from specdec_jax.decoding.common import prefill
+from specdec_jax.decoding.common import prefill_and_start
+from specdec_jax.decoding.common import processed
+from specdec_jax.decoding.common import speculative_result
+from specdec_jax.decoding.common import uniform
+from specdec_jax.decoding.types import ModelFns
+from specdec_jax.decoding.types import SpecState
+from specdec_jax.decoding.types import SpeculativeResult
+from specdec_jax.models.protocol import Model
+
+#: Tree drafting laws of :func:`tree_speculative_generate`.
+TREE_LAWS = ("deterministic", "iid")
+
+
+class DraftTree(NamedTuple):
+  """The static shape of a draft tree: for each node, its parent and which candidate it is.
+
+  Node 0 is the root (the last accepted token). Node ``c >= 1`` holds the
+  ``ranks[c]``-th candidate for the position after its parent ``parents[c]``: under
+  the ``"deterministic"`` law the ``(ranks[c] + 1)``-th most likely token of the
+  draft model (a top-k tree, as in EAGLE-2), under ``"iid"`` the ``ranks[c]``-th of
+  independent samples from the draft's distribution (SpecInfer). Nodes are in
+  breadth-first order (depths never decrease) and the children of a node carry the
+  ranks ``0, 1, 2, ...`` in index order. Build one with :meth:`from_paths` or
+  :meth:`from_branching`; the tuples make it hashable (a static argument).
+
+  Attributes:
+    parents: ``(N,)`` ints, ``parents[0] == -1``, ``0 <= parents[c] < c``.
+    ranks: ``(N,)`` ints, ``ranks[0] == 0``.
+
+  Example:
+    >>> tree = DraftTree.from_branching((2, 1))
+    >>> tree.parents, tree.ranks, tree.depth
+    ((-1, 0, 0, 1, 2), (0, 0, 1, 0, 0), 2)
+    >>> DraftTree.from_paths([(0,), (1,), (0, 0)]).parents
+    (-1, 0, 0, 1)
+  """
+
+  parents: tuple[int, ...]
+  ranks: tuple[int, ...]
+
+  @classmethod
+  def from_paths(cls, paths) -> DraftTree:
+    """A tree from the rank paths of its non-root nodes (Medusa's and EAGLE's "choices").
+
+    ``(0, 1)`` is the second candidate after the first candidate. Every prefix of a
+    path must be a path too, and a node's children must use the ranks ``0 .. k - 1``.
+    """
+    paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+    index = {(): 0}
+    parents, ranks = [-1], [0]
+    for path in paths:
+      if not path or min(path) < 0:
+        raise ValueError(f"DraftTree.from_paths: paths must be non-empty tuples of ranks >= 0, "
+                         f"got {path!r}.")
+      if path[:-1] not in index:
+        raise ValueError(f"DraftTree.from_paths: the prefix {path[:-1]!r} of {path!r} is missing.")
+      if path[-1] > 0 and (*path[:-1], path[-1] - 1) not in index:
+        raise ValueError(f"DraftTree.from_paths: {path!r} needs its sibling "
+                         f"{(*path[:-1], path[-1] - 1)!r} (ranks 0 .. k - 1).")
+      index[path] = len(parents)
+      parents.append(index[path[:-1]])
+      ranks.append(path[-1])
+    return cls(tuple(parents), tuple(ranks))
+
+  @classmethod
+  def from_branching(cls, branching) -> DraftTree:
+    """The full tree with ``branching[d]`` children per node at depth ``d``.
+
+    ``(4, 2, 1)``: 4 candidates after the root, 2 after each of those, then 1 more
+    each: ``1 + 4 + 8 + 8 = 21`` nodes, depth 3. ``(1,) * gamma`` is a chain.
+    """
+    branching = tuple(int(b) for b in branching)
+    if any(b < 1 for b in branching):
+      raise ValueError(f"DraftTree.from_branching: expected counts >= 1, got {branching}.")
+    level, paths = [()], []
+    for width in branching:
+      level = [(*p, r) for p in level for r in range(width)]
+      paths.extend(level)
+    return cls.from_paths(paths)
+
+  @property
+  def size(self) -> int:
+    """``N``, the number of nodes, root included."""
+    return len(self.parents)
+
+  @property
+  def depth(self) -> int:
+    """The most draft tokens one iteration can accept."""
+    return int(self.depths().max())
+
+  def depths(self) -> np.ndarray:
+    """int32 ``(N,)``: the depth of each node (the root has depth 0)."""
+    depths = np.zeros(self.size, np.int32)
+    for c in range(1, self.size):
+      depths[c] = depths[self.parents[c]] + 1
+    return depths
+
+  def ancestors(self) -> np.ndarray:
+    """bool ``(N, N)``: ``[c, j]`` is True when ``j`` is ``c`` or one of its ancestors."""
+    mask = np.eye(self.size, dtype=bool)
+    for c in range(1, self.size):
+      mask[c] |= mask[self.parents[c]]
+    return mask
+
+
+def check_draft_tree(tree: DraftTree, name: str) -> DraftTree:
+  if not isinstance(tree, DraftTree):
+    raise TypeError(f"{name}: `tree` must be a DraftTree, got {type(tree).__name__} instead.")
+  parents = tuple(int(x) for x in tree.parents)
+  ranks = tuple(int(x) for x in tree.ranks)
+  if len(parents) != len(ranks) or not parents or parents[0] != -1 or ranks[0] != 0:
+    raise ValueError(f"{name}: `tree` needs parents and ranks of equal length N >= 1 with "
+                     f"parents[0] = -1 and ranks[0] = 0, got {tree!r}.")
+  tree = DraftTree(parents, ranks)
+  depths = [0] * len(parents)
+  children: dict[int, int] = {}
+  for c in range(1, len(parents)):
+    if not 0 <= parents[c] < c:
+      raise ValueError(f"{name}: `tree.parents[{c}]` must be in [0, {c}), got {parents[c]}.")
+    depths[c] = depths[parents[c]] + 1
+    if depths[c] < depths[c - 1]:
+      raise ValueError(f"{name}: `tree` nodes must be in breadth-first order; node {c} has depth "
+                       f"{depths[c]} after a node of depth {depths[c - 1]}.")
+    expected = children.get(parents[c], 0)
+    if ranks[c] != expected:
+      raise ValueError(f"{name}: `tree.ranks[{c}]` must be {expected} (the children of node "
+                       f"{parents[c]} take ranks 0, 1, ... in order), got {ranks[c]}.")
+    children[parents[c]] = expected + 1
+  return tree
+
+
+def tree_candidates(logits, key, params, width: int, law: str):
+  """``width`` candidate tokens after one node and the law they follow: ``(ids (width,), q (V,))``.
+
+  ``"deterministic"``: the top-``width`` tokens of the draft's raw logits (ties to the
+  lower id), whatever ``params``; ``"iid"``: ``width`` independent inverse-CDF samples
+  from the draft's processed distribution.
+  """
+  q = process_logits(logits, params)
+  if law == "deterministic":
+    return lax.top_k(logits, width)[1].astype(jnp.int32), q
+  u = uniform(key, (width,))
+  return jax.vmap(sample_index, in_axes=(None, 0))(q, u), q
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("target", "draft", "tree", "law", "tree_verifier", "max_new_tokens",
+                   "max_len", "context", "pad_id"),
+)
+def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params,
+              eos_id, *, target: ModelFns, draft: ModelFns, tree: DraftTree, law: str,
+              tree_verifier, max_new_tokens: int, max_len: int, context: int | None,
+              pad_id: int):
+  batch = prompt.shape[0]
+  rows = batch_rows(batch)
+  vocab = target.vocab_size
+  size, depth = tree.size, tree.depth
+  parents = np.asarray(tree.parents, np.int32)
+  ranks = np.asarray(tree.ranks, np.int32)
+  depths = tree.depths()
+  mask = jnp.asarray(tree.ancestors())
+  width = max(1, int(ranks.max()) + 1)  # candidates drafted per node
+  need_q = law != "deterministic" or tree_verifier is not default_tree_verifier(law, depth)
+  levels = [np.flatnonzero(depths == d).astype(np.int32) for d in range(depth + 1)]
+  # Nodes of depth <= d are a prefix (breadth-first order): num_nodes for a depth budget d.
+  level_end = jnp.asarray([int((depths <= d).sum()) for d in range(depth + 1)], jnp.int32)
+  cache_len = max_len + size - 1  # tree slots reach root + N - 1 <= max_len + N - 2
+  common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
+                          max_new_tokens=max_new_tokens, max_len=max_len, context=context,
+                          vocab=vocab)
+  stop_len = common.stop_len
+  tokens, lengths, done, target_cache, first_error = prefill_and_start(
+    target, target_params, prompt, common, max_len, cache_len, pad_id)
+  _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
+  zero = jnp.int32(0)
+  counts = jnp.zeros((batch,), jnp.int32)
+  at = jnp.zeros((batch, depth), jnp.int32)
+  state = SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, zero + 1,
+                     (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at,
+                     error | first_error)
+  slots = jnp.arange(depth, dtype=jnp.int32)
+  all_nodes = jnp.arange(size, dtype=jnp.int32)
+  candidates = jax.vmap(jax.vmap(tree_candidates, in_axes=(0, 0, None, None, None)),
+                        in_axes=(0, 0, 0, None, None))
+
+  def cond(s: SpecState):
+    return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
+
+  def body(s: SpecState):
+    active = ~s.done
+    root = s.lengths - 1  # slot and position of node 0
+    budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, depth), 0)
+    num_nodes = level_end[budget]
+    step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
+    node_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 1), size))(step_keys)
+
+    # Draft the tree level by level: a T = 2 sync call gives the root's candidates, then
+    # one tree-attention call per level gives the candidates after each of its nodes.
+    node_tokens = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(s.tokens[rows, root])
+    # The point-mass rule never reads q: then no draft distribution is materialised.
+    q = jnp.zeros((batch, size, vocab), jnp.float32) if need_q else None
+    sync = jnp.clip(jnp.stack([jnp.maximum(root - 1, 0), root], axis=1), 0, cache_len - 1)
+    logits, draft_cache = draft.apply(draft_params, model_ids(s.tokens[rows[:, None], sync], vocab),
+                                      sync, s.draft_cache)
+    ids, q_root = candidates(logits[:, -1:], node_keys[:, :1], params, width, law)
+    cands = jnp.zeros((batch, size, width), jnp.int32).at[:, :1].set(ids)
+    q = q.at[:, :1].set(q_root) if need_q else None
+    for d in range(1, depth + 1):
+      level = levels[d]
+      node_tokens = node_tokens.at[:, level].set(cands[:, parents[level], ranks[level]])
+      if d < depth:  # the deepest level's candidates are never needed
+        positions = jnp.broadcast_to((root + d)[:, None], (batch, len(level)))
+        logits, draft_cache = draft.tree_apply(
+          draft_params, node_tokens[:, level], jnp.clip(positions, 0, cache_len - 1),
+          draft_cache, root, jnp.asarray(level), mask[level])
+        ids, q_level = candidates(logits, node_keys[:, level], params, width, law)
+        cands = cands.at[:, level].set(ids)
+        q = q.at[:, level].set(q_level) if need_q else None
+
+    # One target call scores every node with tree attention.
+    positions = jnp.clip(root[:, None] + jnp.asarray(depths)[None], 0, cache_len - 1)
+    logits, target_cache = target.tree_apply(target_params, model_ids(node_tokens, vocab),
+                                             positions, s.target_cache, root, all_nodes, mask)
+    p = processed(logits, params)
+    uniforms = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0), (size,)))(step_keys)
+    tree_parents = jnp.asarray(parents)
+    result = jax.vmap(lambda p, q, t, u, n: tree_verifier(p, q, tree_parents, t, u, num_nodes=n))(
+      p, p if q is None else q, node_tokens, uniforms, num_nodes)
+
+    accepted = jnp.where(active, result.num_accepted, 0)
+    # Move the accepted path from its tree slots to the slots of its positions.
+    dst = jnp.clip(root[:, None] + 1 + slots[None], 0, cache_len - 1)
+    src = jnp.where(slots[None] < accepted[:, None], root[:, None] + result.path[:, :depth], dst)
+    src = jnp.clip(src, 0, cache_len - 1)
+    target_cache = target.copy_slots(target_cache, src, dst)
+    draft_cache = draft.copy_slots(draft_cache, src, dst)
+    return after_verify(s, result, common, active=active, target_cache=target_cache,
+                         draft_cache=draft_cache, draft_calls=s.draft_calls + depth,
+                         proposals=jnp.where(active, num_nodes - 1, 0), depth=budget)
+
+  return speculative_result(lax.while_loop(cond, body, state), common)
+
+
+
+
+class TreeFns(NamedTuple):
+  """A model's static functions including the tree ones (hashable)."""
+
+  apply: Callable[..., Any]
+  init_cache: Callable[[int, int], Any]
+  vocab_size: int
+  tree_apply: Callable[..., Any]
+  copy_slots: Callable[..., Any]
+
+
+def tree_model_fns(model: Model, name: str, arg: str) -> TreeFns:
+  fns = model_fns(model, name, arg)
+  if model.tree_apply is None or model.copy_slots is None:
+    raise ValueError(
+      f"{name}: `{arg}` must provide `tree_apply` and `copy_slots` (tree attention; see "
+      f"specdec_jax.models.protocol), got a Model named {model.name!r} without them."
+    )
+  return TreeFns(*fns, model.tree_apply, model.copy_slots)
+
+
+def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Array,
+                              prompt_lengths: jax.Array, key: jax.Array, *, tree: DraftTree,
+                              max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                              law: str = "deterministic", eos_id: int | None = None,
+                              max_len: int | None = None, tree_verifier: Callable | None = None,
+                              pad_id: int = -1) -> SpeculativeResult:
+  """Exact speculative decoding with a draft *tree*, as one jitted ``lax.while_loop``.
+
+  Each iteration, for every unfinished row of length ``L`` (its last token is the
+  tree's root, node 0, at position ``L - 1``):
+
+  1. the draft model builds the tree level by level: one ``apply`` on the tokens at
+     ``L - 2, L - 1`` gives the candidates after the root, then one ``tree_apply`` per
+     level (tree attention) gives the candidates after each node of that level; node
+     ``c`` gets the ``tree.ranks[c]``-th candidate after its parent (``law``:
+     ``"deterministic"`` = the draft's top-k tokens, EAGLE-2's top-k tree;
+     ``"iid"`` = independent samples from the draft's processed distribution,
+     SpecInfer). ``tree.depth`` draft calls per iteration;
+  2. the target scores all ``N`` nodes in ONE ``tree_apply`` call: node ``c`` at
+     position ``L - 1 + depth(c)`` in slot ``L - 1 + c``, attending to the context
+     and its own ancestors;
+  3. :func:`~specdec_jax.tree_verify` (recursive rejection sampling with the matching
+     law) keeps a path of the tree plus one token of its own; the row grows by that
+     many (cut after ``eos_id``), and ``copy_slots`` moves the accepted path's keys and
+     values from their tree slots to the slots of their positions in both caches. Only
+     the nodes of depth ``<= max_new_tokens - emitted - 1`` are verified, so a row never
+     overshoots its budget.
+
+  The output is distributed exactly as :func:`generate`'s for any tree and draft;
+  ``temperature == 0`` gives the greedy sequence token for token. The first token
+  uses the key as :func:`generate` does; iteration ``i`` of a row uses
+  ``fold_in(row_key, i)``: ``fold_in(., 0)`` for the ``N`` uniforms of the
+  verification and ``split(fold_in(., 1), N)`` for the ``"iid"`` drafts of each node.
+
+  Args:
+    target: the target :class:`Model`, with ``tree_apply`` and ``copy_slots``.
+    draft: the draft :class:`Model` (same vocabulary), with ``tree_apply`` and ``copy_slots``.
+    prompt_tokens: int ``(B, P)`` right-padded prompts.
+    prompt_lengths: int ``(B,)`` in ``[1, P]``.
+    key: one ``jax.random`` key (split into one per row) or ``B`` keys, one per row.
+    tree: static :class:`DraftTree` (its ``N`` nodes include the root).
+    max_new_tokens: static int ``>= 1``.
+    params: :class:`~specdec_jax.SamplingParams` for target and draft; fields scalar or ``(B,)``.
+    law: static, ``"deterministic"`` (top-k tree) or ``"iid"`` (sampled tree).
+    eos_id: optional token id that ends a row (kept in the output).
+    max_len: static buffer length, ``>= P``; default ``P + max_new_tokens``. The
+      caches have ``max_len + N - 1`` slots.
+    tree_verifier: optional static function ``(p (N, V), q (N, V), parents (N,),
+      tokens (N,), uniforms (N,), *, num_nodes) -> TreeVerifyResult`` for one tree, to use
+      instead of :func:`~specdec_jax.tree_verify` with ``law`` (e.g. a negative control);
+      ``q[c]`` is the draft's processed distribution after node ``c``.
+    pad_id: static int written after each row's last token.
+
+  Returns:
+    :class:`SpeculativeResult`; in its :class:`DecodeStats` the per-position counters
+    have ``tree.depth`` columns (position ``i`` = depth ``i + 1``), ``proposals``
+    counts tree nodes and ``draft_calls`` counts one per level.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from specdec_jax import DraftTree, SamplingParams, generate
+    >>> from specdec_jax.models.toy import make_toy_model
+    >>> target = make_toy_model(jax.random.key(0), vocab_size=8)
+    >>> small = make_toy_model(jax.random.key(1), vocab_size=8, context=1)
+    >>> prompt, lengths = jnp.array([[1, 2, 3], [4, 0, 0]]), jnp.array([3, 1])
+    >>> greedy = SamplingParams(temperature=0.0)
+    >>> plain = generate(target, prompt, lengths, jax.random.key(2), max_new_tokens=6,
+    ...                  params=greedy)
+    >>> out = tree_speculative_generate(target, small, prompt, lengths, jax.random.key(2),
+    ...                                 tree=DraftTree.from_branching((3, 2)), max_new_tokens=6,
+    ...                                 params=greedy)
+    >>> bool((out.tokens == plain.tokens).all()), out.num_new.tolist()
+    (True, [6, 6])
+
+  Reference:
+    Miao et al., "SpecInfer: Accelerating Large Language Model Serving with Tree-based
+    Speculative Inference and Verification", arXiv:2305.09781; Li et al., "EAGLE-2: Faster
+    Inference of Language Models with Dynamic Draft Trees", arXiv:2406.16858; Cai et al.,
+    "Medusa", arXiv:2401.10774 (static trees given as rank paths).
+  """
+  name = "tree_speculative_generate"
+  target_fns = tree_model_fns(target, name, "target")
+  draft_fns = tree_model_fns(draft, name, "draft")
+  if draft_fns.vocab_size != target_fns.vocab_size:
+    raise ValueError(
+      f"{name}: the draft must share the target's vocabulary, got V = {draft_fns.vocab_size} "
+      f"for the draft and V = {target_fns.vocab_size} for the target."
+    )
+  tree = check_draft_tree(tree, name)
+  if tree.size < 2:
+    raise ValueError(f"{name}: `tree` must have at least one node besides the root.")
+  if law not in TREE_LAWS:
+    raise ValueError(f"{name}: `law` must be one of {TREE_LAWS}, got {law!r} instead.")
+  if tree_verifier is None:
+    tree_verifier = default_tree_verifier(law, tree.depth)
+  elif not callable(tree_verifier):
+    raise TypeError(f"{name}: `tree_verifier` must be a function, got {tree_verifier!r}.")
+  vocab = target_fns.vocab_size
+  prompt, lengths, tokens_ok = check_prompt(prompt_tokens, prompt_lengths, name, vocab)
+  batch, width = prompt.shape
+  contexts = (("target", target.context_length), ("draft", draft.context_length))
+  max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
+  return tree_loop(target.params, draft.params, prompt, lengths, tokens_ok,
+                   make_row_keys(key, batch, name), batch_params(params, batch, name),
+                   check_eos(eos_id, name, vocab), target=target_fns, draft=draft_fns, tree=tree,
+                   law=law, tree_verifier=tree_verifier, max_new_tokens=int(max_new_tokens),
+                   max_len=max_len, context=context, pad_id=int(pad_id))
+
+
+@functools.cache
+def default_tree_verifier(law: str, depth: int):
+  """``tree_verify`` with the law and output length fixed (cached: one object per pair)."""
+  return functools.partial(tree_verify, law=law, max_depth=depth)

@@ -1,0 +1,163 @@
+"""The results of the decoding loops and the state they carry (NamedTuples, no logic)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+
+from specdec_jax._logits import SamplingParams
+
+
+class DecodeStats(NamedTuple):
+  """Counters of a decoding run (:func:`generate` fills only the target fields).
+
+  Attributes:
+    target_calls: int32 ``()``. ``apply`` calls on the target for the whole batch,
+      the prefill included.
+    draft_calls: int32 ``()``. ``apply`` calls on the draft model for the whole batch,
+      its prefill included (0 for :class:`PromptLookup` and for :func:`generate`).
+    row_target_calls: int32 ``(B,)``. Target calls while the row was unfinished
+      (prefill included); each of them emitted at least one token of the row.
+    proposals: int32 ``(B,)``. Draft tokens handed to verification.
+    accepted: int32 ``(B,)``. Draft tokens the verifier accepted (before truncation at
+      ``eos_id``; proposals never run past ``max_new_tokens``).
+    proposed_at: int32 ``(B, gamma)``. How often a token was proposed at draft position ``i``.
+    accepted_at: int32 ``(B, gamma)``. How often the token at draft position ``i`` was
+      accepted; ``accepted_at / proposed_at`` is the acceptance rate by position.
+    emitted: int32 ``(B,)``. New tokens written (equals the result's ``num_new``).
+    tokens_per_call: float32 ``(B,)``. ``emitted / row_target_calls``.
+  """
+
+  target_calls: jax.Array
+  draft_calls: jax.Array
+  row_target_calls: jax.Array
+  proposals: jax.Array
+  accepted: jax.Array
+  proposed_at: jax.Array
+  accepted_at: jax.Array
+  emitted: jax.Array
+  tokens_per_call: jax.Array
+
+
+class GenerateResult(NamedTuple):
+  """What :func:`generate` produced.
+
+  Attributes:
+    tokens: int32 ``(B, max_len)``. Each row's prompt, then its new tokens (the
+      ``eos_id`` token included when it stopped the row), then ``pad_id``.
+    lengths: int32 ``(B,)``. Prompt plus new tokens.
+    num_new: int32 ``(B,)``. New tokens, ``<= max_new_tokens``.
+    stats: :class:`DecodeStats`.
+    error: int32 ``(B,)``. :class:`~specdec_jax.ErrorCode` bits of the row (0 when all was
+      well; decode with :func:`~specdec_jax.describe_error`): ``NONFINITE`` when a
+      distribution the row sampled from was NaN (NaN or ``+inf`` logits from the model),
+      ``TOKEN_OUT_OF_RANGE`` for a prompt id outside ``[0, V)``, ``BAD_PARAMS`` for traced
+      out-of-range sampling parameters or ``eos_id``, ``OUT_OF_ROOM`` when the row stopped
+      because the buffer (``max_len``) or the model's context was full before
+      ``max_new_tokens`` or ``eos_id``.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  num_new: jax.Array
+  stats: DecodeStats
+  error: jax.Array
+
+
+class SpeculativeResult(NamedTuple):
+  """What :func:`speculative_generate` produced.
+
+  Attributes:
+    tokens: int32 ``(B, max_len)``. As in :class:`GenerateResult`.
+    lengths: int32 ``(B,)``. Prompt plus new tokens.
+    num_new: int32 ``(B,)``. New tokens, ``<= max_new_tokens``.
+    stats: :class:`DecodeStats`.
+    error: int32 ``(B,)``. Bitwise OR of the verifier's
+      :class:`~specdec_jax.ErrorCode` masks over the row's steps and the loop's own bits
+      (as in :class:`GenerateResult`); 0 when everything was valid (decode with
+      :func:`~specdec_jax.describe_error`).
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  num_new: jax.Array
+  stats: DecodeStats
+  error: jax.Array
+
+
+class ModelFns(NamedTuple):
+  """The static half of a :class:`Model` (hashable: a jit static argument)."""
+
+  apply: Callable[..., Any]
+  init_cache: Callable[[int, int], Any]
+  vocab_size: int
+
+
+class Common(NamedTuple):
+  """Per-row constants shared by both loops (traced arrays)."""
+
+  row_keys: jax.Array  # (B,) keys, or (B, 2) raw keys
+  prompt_lengths: jax.Array  # (B,) int32
+  stop_len: jax.Array  # (B,) int32: a row is finished once its length reaches it
+  params: SamplingParams  # fields (B,) or None
+  eos_id: jax.Array  # () int32, -1 for none
+  room: jax.Array  # (B,) bool: the row's budget does not fit its buffer / context
+
+
+class GenerateState(NamedTuple):
+  """Loop state of :func:`generate`.
+
+  Attributes:
+    tokens: int32 ``(B, max_len)`` token buffer.
+    lengths: int32 ``(B,)``.
+    done: bool ``(B,)``.
+    cache: the target's cache.
+    target_calls: int32 ``()``.
+    row_calls: int32 ``(B,)``.
+    error: int32 ``(B,)``.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  done: jax.Array
+  cache: Any
+  target_calls: jax.Array
+  row_calls: jax.Array
+  error: jax.Array
+
+
+class SpecState(NamedTuple):
+  """Loop state of :func:`speculative_generate` and :func:`tree_speculative_generate`.
+
+  Attributes:
+    tokens: int32 ``(B, max_len)`` token buffer.
+    lengths: int32 ``(B,)``.
+    done: bool ``(B,)``.
+    target_cache: the target's cache.
+    draft_cache: the draft model's cache (``None`` for prompt lookup).
+    target_calls: int32 ``()``.
+    draft_calls: int32 ``()``.
+    row_calls: int32 ``(B,)``.
+    proposals: int32 ``(B,)``.
+    accepted: int32 ``(B,)``.
+    proposed_at: int32 ``(B, gamma)`` (``(B, depth)`` for a tree).
+    accepted_at: int32 ``(B, gamma)`` (``(B, depth)`` for a tree).
+    error: int32 ``(B,)``.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  done: jax.Array
+  target_cache: Any
+  draft_cache: Any
+  target_calls: jax.Array
+  draft_calls: jax.Array
+  row_calls: jax.Array
+  proposals: jax.Array
+  accepted: jax.Array
+  proposed_at: jax.Array
+  accepted_at: jax.Array
+  error: jax.Array
