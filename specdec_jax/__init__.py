@@ -23,6 +23,7 @@ from specdec_jax._logits import verify_logits_with_key
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
+from specdec_jax._sharding import vocab_parallel_tree_verify
 from specdec_jax._sharding import vocab_parallel_verify
 from specdec_jax._tree import TreeVerifyResult
 from specdec_jax._tree import tree_verify
@@ -38,7 +39,7 @@ from specdec_jax.decoding import SpeculativeResult
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate
 from specdec_jax.decoding import tree_speculative_generate
-from specdec_jax.models import Model
+from specdec_jax.models.protocol import Model
 
 __version__ = "0.1.0"
 
@@ -76,5 +77,6 @@ __all__ = (
   "verify_logits",
   "verify_logits_with_key",
   "verify_with_key",
+  "vocab_parallel_tree_verify",
   "vocab_parallel_verify",
 )

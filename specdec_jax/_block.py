@@ -26,6 +26,7 @@ from specdec_jax._checks import INT
 from specdec_jax._checks import check_chain
 from specdec_jax._checks import check_scalar
 from specdec_jax._checks import public_jit
+from specdec_jax._errors import psum_if
 from specdec_jax._errors import stop_row_error
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import block_masses
@@ -34,6 +35,9 @@ from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import pick_block
 from specdec_jax._sampling import pick_in_block
 from specdec_jax._sampling import sanitize
+from specdec_jax._sampling import sharded_inverse_cdf
+from specdec_jax._stream import anchored
+from specdec_jax._stream import branch
 from specdec_jax._stream import per_sequence
 from specdec_jax._verify import CHAIN_ARRAYS
 from specdec_jax._verify import VerifyResult
@@ -67,7 +71,7 @@ def log_block_weights(p_x: jax.Array, q_x: jax.Array) -> jax.Array:
     nxt = jnp.where((prev == -jnp.inf) | (r == -jnp.inf), -jnp.inf, jnp.minimum(0, prev + r))
     return nxt, nxt
 
-  zero = jnp.zeros((), p_x.dtype)
+  zero = jnp.zeros_like(jnp.sum(p_x[:1]) + jnp.sum(q_x[:1]))  # typed (and sharded) like them
   if p_x.shape[0] == 0:
     return zero[None]
   _, rest = lax.scan(step, zero, ratio)
@@ -89,10 +93,13 @@ def _clean(masses):
   return jnp.where(jnp.isfinite(masses) & (masses > 0), masses, 0)
 
 
-def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dtype, tol):
+def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dtype, tol,
+                     axis_name=None, looped=True):
   """Per sequence: find ``tau`` (scan from ``limit`` down) and sample the final token.
 
-  ``read_p(row, start, size)`` / ``read_q(...)`` return a ``(size,)`` slice of one row.
+  ``read_p(row, start, size)`` / ``read_q(...)`` return a ``(size,)`` slice of one row; ``vocab``
+  is the rows' local length (``V / n`` with ``axis_name``: then the row sums and the sample's
+  partial masses are reduced over that mesh axis; only scalars cross devices).
   Returns ``(tau, token, row_error)`` (int32 scalars).
   """
   block = min(BLOCK, vocab)
@@ -116,15 +123,20 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
     row_b = b[i]
     masses, p_masses, q_sum = _residual_pass(read_p(i, 0, vocab), read_q(i, 0, vocab), row_b,
                                              block, dtype)
-    z = jnp.sum(_clean(masses))
+    z = psum_if(jnp.sum(_clean(masses)), axis_name)
     den = z + (1 - row_b)
     h = jnp.where(den > 0, z / jnp.where(den > 0, den, 1), 1)
     done = (i == 0) | (etas[i] < h)
-    err = err | stop_row_error(masses, jnp.sum(p_masses), q_sum, jnp.asarray(True), tol, None)
+    err = err | stop_row_error(masses, psum_if(jnp.sum(p_masses), axis_name),
+                               psum_if(q_sum, axis_name), jnp.asarray(True), tol, axis_name)
     return (jnp.where(done, i, below[jnp.maximum(i - 1, 0)]), done, masses, p_masses, z, err)
 
-  start = (below[jnp.maximum(limit - 1, 0)], keep_all, zeros, zeros, jnp.zeros((), dtype),
-           jnp.int32(0))
+  # Typed like what the body computes (inside shard_map: the same varying mesh axes): the
+  # block masses like the rows, the rest like the replicated inputs.
+  scalars = (log_b, uniforms, limit)
+  masses0 = anchored(zeros, *scalars, read_p(0, 0, 1), read_q(0, 0, 1))
+  start = (below[jnp.maximum(limit - 1, 0)], keep_all, masses0, masses0,
+           anchored(jnp.zeros((), dtype), *scalars), anchored(jnp.int32(0), *scalars))
   if gamma:
     tau, _, masses, p_masses, z, err = lax.while_loop(cond, body, start)
   else:
@@ -135,11 +147,11 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
     row = read_p(limit, 0, vocab).astype(dtype)
     poisoned = jnp.where(row < 0, -jnp.inf, row)
     m = block_masses(poisoned, block)
-    return m, m, jnp.sum(_clean(m)), stop_row_error(m, jnp.sum(m), jnp.zeros((), dtype),
-                                                     jnp.asarray(False), tol, None)
+    return m, m, psum_if(jnp.sum(_clean(m)), axis_name), stop_row_error(
+      m, psum_if(jnp.sum(m), axis_name), jnp.zeros((), dtype), jnp.asarray(False), tol, axis_name)
 
-  masses, p_masses, z, bonus_err = lax.cond(keep_all, bonus,
-                                            lambda: (masses, p_masses, z, jnp.int32(0)))
+  masses, p_masses, z, bonus_err = branch(looped, keep_all, bonus,
+                                          lambda: (masses, p_masses, z, jnp.zeros_like(err)))
   err = err | bonus_err
   use_residual = ~keep_all & (z > 0)  # else p[tau] (the bonus row, or the fallback)
   clean = jnp.where(use_residual | keep_all, _clean(masses), _clean(p_masses))
@@ -147,19 +159,26 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
   q_index = jnp.minimum(tau, max(gamma - 1, 0))
 
   target_u = uniforms[limit]
-  blk, rest = pick_block(clean, target_u * jnp.sum(clean))
-  lo, first = block_start(blk, vocab, block)
-  p_part = read_p(tau, first, block).astype(dtype)
-  if gamma:
-    q_part = read_q(q_index, first, block).astype(dtype)
-    values = jnp.where(use_residual, jnp.maximum(b_tau * p_part - q_part, 0), p_part)
+
+  def block_values(lo, start, size):
+    p_part = read_p(tau, start, size).astype(dtype)
+    if gamma:
+      q_part = read_q(q_index, start, size).astype(dtype)
+      values = jnp.where(use_residual, jnp.maximum(b_tau * p_part - q_part, 0), p_part)
+    else:
+      values = p_part
+    return mask_block(sanitize(values), lo, start)
+
+  if axis_name is None:
+    blk, rest = pick_block(clean, target_u * jnp.sum(clean))
+    lo, first = block_start(blk, vocab, block)
+    token = first + pick_in_block(block_values(lo, first, block), rest)
   else:
-    values = p_part
-  token = first + pick_in_block(mask_block(sanitize(values), lo, first), rest)
+    token = sharded_inverse_cdf(clean, block_values, target_u, vocab, axis_name)
   return tau.astype(jnp.int32), token.astype(jnp.int32), err
 
 
-def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol):
+def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol, axis_name=None):
   """:func:`_stop_and_sample` per sequence, streamed (:func:`~specdec_jax._stream.per_sequence`).
 
   Under ``jax.vmap`` a ``while_loop`` whose rows are picked by a batched index would gather
@@ -168,22 +187,28 @@ def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol):
   """
   gamma, vocab = q.shape[0], p.shape[-1]
 
-  def body(readers, log_b, uniforms, limit):
+  def body(readers, log_b, uniforms, limit, *, looped):
     return _stop_and_sample(readers[0], readers[1], log_b, uniforms, limit, gamma=gamma,
-                            vocab=vocab, dtype=dtype, tol=tol)
+                            vocab=vocab, dtype=dtype, tol=tol, axis_name=axis_name,
+                            looped=looped)
 
   return per_sequence(body, (p, q), log_b, uniforms, limit)
 
 
-def block_verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int,
-                      vocab: int) -> VerifyResult:
-  """The block rule on one sequence: the body of :func:`block_verify`."""
+def block_verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
+                      axis_name: str | None = None) -> VerifyResult:
+  """The block rule on one sequence: the body of :func:`block_verify`.
+
+  With ``axis_name`` (inside ``shard_map``) ``p``/``q`` hold this device's ``V / n`` columns:
+  the ``2 * gamma`` gathered scalars, three statistics per row read and the final sample's
+  partial masses and candidate cross devices, nothing of size ``V``.
+  """
   prep = prepare(p, q, draft, uniforms, num_draft, vocab)
-  p_x, q_x = gather_draft_probs(p, q, prep)
+  p_x, q_x = gather_draft_probs(p, q, prep, axis_name)
   # An out-of-range id is never kept: it counts as p(x) = 0 (flagged below).
   log_b = log_block_weights(jnp.where(prep.in_range, p_x, 0), q_x)
   tau, token, row_err = _stop_rule(p, q, log_b, prep.uniforms, prep.limit, dtype=prep.dtype,
-                                   tol=prep.tol)
+                                   tol=prep.tol, axis_name=axis_name)
   # Every b_i up to b_n is computed, so every position < n was read.
   return assemble(prep, p_x, q_x, num_accepted=tau, token=token, num_uniforms=prep.limit + 1,
                   tested=prep.positions < prep.limit, row_error=row_err, pad_id=pad_id)

@@ -20,6 +20,7 @@ function); only the schedule differs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from collections.abc import Sequence
 
@@ -38,6 +39,17 @@ def explicitly_sharded_batch(x) -> bool:
   except AttributeError:
     return False
   return len(spec) > 0 and spec[0] is not None
+
+
+def anchored(tree, *refs):
+  """``tree`` plus zeros computed from ``refs``, leaf by leaf.
+
+  Inside ``shard_map`` a loop's initial state must vary over the same mesh axes as what its
+  body writes into it; a zero derived from the inputs the body reads carries those axes (and
+  costs nothing). Outside ``shard_map`` it is a no-op.
+  """
+  zero = sum(jnp.zeros_like(jnp.ravel(r)[0], jnp.int32) for r in refs if jnp.size(r))
+  return jax.tree.map(lambda leaf: leaf + zero.astype(leaf.dtype), tree)
 
 
 def reader(array: jax.Array, batch_index: jax.Array | None = None) -> Reader:
@@ -59,12 +71,50 @@ def reader(array: jax.Array, batch_index: jax.Array | None = None) -> Reader:
   return read
 
 
+def shifted(read: Reader, offset) -> Reader:
+  """``read`` of the rows ``offset, offset + 1, ...``: one sequence's rows in a packed array.
+
+  Rows past the array are clipped by ``dynamic_slice`` (a verifier never uses them).
+  """
+  return lambda row, start, size: read(offset + row, start, size)
+
+
+def point_reader(ids: jax.Array, first_column=0, dtype=jnp.float32) -> Reader:
+  """A :data:`Reader` of the one-hot rows ``row -> e_{ids[row]}``, computed, never stored.
+
+  Point-mass drafts (n-gram, prompt lookup, greedy drafters) have ``q[i] = e_{draft[i]}``;
+  ``first_column`` is the global id of the first column read (vocab-parallel slices).
+  """
+  if ids.shape[0] == 0:
+    return lambda row, start, size: jnp.zeros((size,), dtype)
+
+  def read(row, start, size: int) -> jax.Array:
+    columns = first_column + start + jnp.arange(size, dtype=jnp.int32)
+    return (columns == ids[row]).astype(dtype)
+
+  return read
+
+
+def branch(looped: bool, pred, true_fn: Callable, false_fn: Callable):
+  """``lax.cond(pred, true_fn, false_fn)`` where branches are real, else both and a select.
+
+  Under ``vmap`` a ``cond`` on a batched predicate runs both branches and selects anyway;
+  writing the select out keeps every output typed alike inside ``shard_map`` (where the
+  batched ``cond`` cannot always unify the branches' varying mesh axes).
+  """
+  if looped:
+    return lax.cond(pred, true_fn, false_fn)
+  return jax.tree.map(lambda t, f: jnp.where(pred, t, f), true_fn(), false_fn())
+
+
 def per_sequence(body: Callable, arrays: Sequence[jax.Array], *scalars):
-  """``body(readers, *scalars)`` for one sequence, with a streaming batching rule.
+  """``body(readers, *scalars, looped=...)`` for one sequence, with a streaming batching rule.
 
   Args:
-    body: ``body(readers, *scalars) -> pytree of arrays``; ``readers[k]`` reads rows of
-      ``arrays[k]`` (see :func:`reader`). It must read ``arrays`` only through the readers.
+    body: ``body(readers, *scalars, looped) -> pytree of arrays``; ``readers[k]`` reads rows
+      of ``arrays[k]`` (see :func:`reader`). It must read ``arrays`` only through the readers.
+      ``looped`` is True when the body runs for one sequence at a time (one sequence, or the
+      CPU batch loop: its branches are real, see :func:`branch`), False under ``vmap``.
     arrays: the sequence's ``(R_k, V_k)`` row arrays.
     *scalars: the other per-sequence inputs (pytrees of arrays), passed to ``body`` as is.
 
@@ -74,24 +124,26 @@ def per_sequence(body: Callable, arrays: Sequence[jax.Array], *scalars):
   arrays = tuple(arrays)
   n = len(arrays)
 
-  def single(*args):
-    return body([reader(a) for a in args[:n]], *args[n:])
+  def single(*args, looped: bool = True):
+    return body([reader(a) for a in args[:n]], *args[n:], looped=looped)
 
   batched_single = jax.custom_batching.custom_vmap(single)
 
   @batched_single.def_vmap
   def _rule(axis_size, in_batched, *args):
     axes = tuple(jax.tree.map(lambda b: 0 if b else None, b) for b in in_batched)
+    def unbatched(a, b):
+      return jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if b else a
+
     out_batched = jax.tree.map(lambda _: True, jax.eval_shape(
-      single, *(jax.tree.map(lambda a, b: a[0] if b else a, x, f)
-                for x, f in zip(args, in_batched, strict=True))))
+      single, *(jax.tree.map(unbatched, x, f) for x, f in zip(args, in_batched, strict=True))))
 
     def vectorised(*args):
-      return jax.vmap(single, in_axes=axes)(*args)
+      return jax.vmap(functools.partial(single, looped=False), in_axes=axes)(*args)
 
     leaves = [(leaf, b) for x, f in zip(args, in_batched, strict=True)
               for leaf, b in zip(jax.tree.leaves(x), jax.tree.leaves(f), strict=True)]
-    if any(b and explicitly_sharded_batch(leaf) for leaf, b in leaves):
+    if axis_size == 0 or any(b and explicitly_sharded_batch(leaf) for leaf, b in leaves):
       return vectorised(*args), out_batched  # a loop over a sharded batch axis would gather it
 
     def looped(*args):
@@ -103,20 +155,20 @@ def per_sequence(body: Callable, arrays: Sequence[jax.Array], *scalars):
       def one(i):
         readers = [reader(a, i if in_batched[k] else None) for k, a in enumerate(args[:n])]
         rest = [at(x, b, i) for x, b in zip(args[n:], in_batched[n:], strict=True)]
-        return body(readers, *rest)
+        return body(readers, *rest, looped=True)
 
-      shapes = jax.eval_shape(one, 0)
-      # Zeros that depend on every input, so that inside shard_map the loop state has the
-      # same varying mesh axes as what the body writes into it.
-      anchor = sum(jnp.zeros_like(leaf.ravel()[0], jnp.int32) for leaf, _ in leaves if leaf.size)
-      init = jax.tree.map(lambda s: jnp.zeros((axis_size, *s.shape), s.dtype)
-                          + anchor.astype(s.dtype), shapes)
+      # The first sequence outside the loop: the loop state is built from its results, so it
+      # is typed like what the body writes (inside shard_map: the same varying mesh axes).
+      first = one(0)
+      init = jax.tree.map(
+        lambda r: lax.dynamic_update_index_in_dim(
+          jnp.broadcast_to(jnp.zeros_like(r)[None], (axis_size, *r.shape)), r, 0, 0), first)
 
       def step(i, out):
         return jax.tree.map(lambda o, r: lax.dynamic_update_index_in_dim(o, r, i, 0),
                             out, one(i))
 
-      return lax.fori_loop(0, axis_size, step, init)
+      return lax.fori_loop(1, axis_size, step, init)
 
     return lax.platform_dependent(*args, cpu=looped, default=vectorised), out_batched
 

@@ -12,6 +12,7 @@ drafted by the law the rule is told about (``law``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -26,17 +27,32 @@ from specdec_jax._checks import check_scalar
 from specdec_jax._checks import public_jit
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
-from specdec_jax._errors import row_error
+from specdec_jax._errors import psum_if
 from specdec_jax._errors import row_tolerance
+from specdec_jax._errors import stop_row_error
+from specdec_jax._errors import uniform_codes
+from specdec_jax._errors import value_codes
 from specdec_jax._rule import accepts
-from specdec_jax._sampling import sample_index
+from specdec_jax._sampling import BLOCK
+from specdec_jax._sampling import block_masses
+from specdec_jax._sampling import block_start
+from specdec_jax._sampling import mask_block
+from specdec_jax._sampling import pick_block
+from specdec_jax._sampling import pick_in_block
 from specdec_jax._sampling import sanitize
+from specdec_jax._sampling import sharded_inverse_cdf
+from specdec_jax._stream import anchored
+from specdec_jax._stream import branch
+from specdec_jax._stream import per_sequence
 from specdec_jax._verify import clip_count
 from specdec_jax._verify import compute_dtype
 from specdec_jax._verify import id_in_range
 from specdec_jax._verify import key_uniforms
 
 LAWS = ("iid", "without_replacement", "deterministic")
+
+#: Where the uniforms are read (static ``uniform_layout`` of :func:`tree_verify`).
+UNIFORM_LAYOUTS = ("sequential", "per_node")
 
 
 class TreeVerifyResult(NamedTuple):
@@ -54,10 +70,12 @@ class TreeVerifyResult(NamedTuple):
     num_accepted: int32 ``()``. How many drafted tokens were kept, ``num_tokens - 1``.
     num_uniforms: int32 ``()``. How many uniforms the walk read: one per child test
       performed plus one for the final sample, at most ``N``.
-    valid: bool ``()``. True when everything the walk read was valid: the tested
-      child ids, the full ``p`` row of every visited node, the ``q`` row of every node
-      whose children were tested (not read under ``"deterministic"``), the uniforms
-      read, ``num_nodes`` and the parent indices of the real nodes.
+    valid: bool ``()``. True when everything the walk read was valid: the tested child ids
+      and their gathered ``p`` (and ``q``) entries (finite, in ``[0, 1]``), the full rows of
+      the nodes where a residual was formed (``p`` and ``q`` of a node with a rejected child)
+      or the final token was sampled (``p`` of the last node), the uniforms read,
+      ``num_nodes`` and the parent indices of the real nodes. ``q`` is never read under
+      ``"deterministic"``.
     error: int32 ``()``. :class:`~specdec_jax.ErrorCode` bit mask; 0 when ``valid``.
   """
 
@@ -70,7 +88,8 @@ class TreeVerifyResult(NamedTuple):
   error: jax.Array
 
 
-def _check_tree(p, q, parents, tokens, uniforms, law, max_depth, name) -> tuple[int, int, int]:
+def check_tree(p, q, parents, tokens, uniforms, law, max_depth, name,
+                layout="sequential") -> tuple[int, int, int]:
   """Trace-time rank, shape, dtype and static-argument checks. Returns ``(N, V, max_depth)``.
 
   ``uniforms=None`` skips its check (the ``*_with_key`` form draws them).
@@ -91,6 +110,9 @@ def _check_tree(p, q, parents, tokens, uniforms, law, max_depth, name) -> tuple[
         f"got {tuple(value.shape)} instead.")
   if law not in LAWS:
     raise ValueError(f"{name}: `law` must be one of {LAWS}, got {law!r} instead.")
+  if layout not in UNIFORM_LAYOUTS:
+    raise ValueError(f"{name}: `uniform_layout` must be one of {UNIFORM_LAYOUTS}, got "
+                     f"{layout!r} instead.")
   if max_depth is None:
     max_depth = size - 1
   if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
@@ -103,24 +125,236 @@ TREE_ARRAYS = {"key": KEY, "p": FLOAT, "q": FLOAT, "parents": INT, "tokens": INT
                "num_nodes": INT}
 
 
-class _Walk(NamedTuple):
-  node: jax.Array  # current node
-  prev: jax.Array  # children of `node` with index <= prev have been tested
-  depth: jax.Array  # accepted tokens so far
-  tests: jax.Array  # child tests performed so far (= next uniform slot)
+class Walk(NamedTuple):
+  """Loop state of the tree walk: scalars and ``(N,)`` arrays only, no ``(V,)`` row.
+
+  At the current node the residual's unnormalised weights are ``G(v) = max(p(v) - c q(v), 0)``
+  for every token not rejected there (``G = p`` under ``"deterministic"``), and
+  ``frozen[k]`` for the ``k``-th token rejected there (``removed[k]``); the residual is
+  ``G / z``, or ``p`` as given while ``raw``. A rejection updates ``c`` and the frozen values
+  from gathered scalars and needs one pass over the node's rows for the new mass ``z``.
+
+  Attributes:
+    node: the current node.
+    prev: children of ``node`` with index ``<= prev`` have been tested.
+    depth: accepted tokens so far.
+    tests: child tests performed so far.
+    done: the final token has been sampled.
+    raw: no rejection at this node yet, or the residual emptied and fell back to ``p``.
+    c: the coefficient of ``q`` in ``G`` (0 while ``raw``).
+    z: the residual's total mass ``sum_v G(v)`` (1 while ``raw``).
+    q_total: ``sum_v q(v)`` of the node (known after its first pass).
+    removed: ``(N,)`` the in-range tokens rejected at this node (``-1`` past ``n_removed``).
+    frozen: ``(N,)`` their residual weights ``G``.
+    removed_p: ``(N,)`` their target probabilities (the weights after a fallback to ``p``).
+    removed_q: ``(N,)`` their draft probabilities (taken out of ``q`` without replacement).
+    n_removed: how many tokens were rejected at this node.
+    out: ``(L,)`` emitted tokens.
+    path: ``(L,)`` accepted nodes.
+    error: ``ErrorCode`` bits so far.
+  """
+
+  node: jax.Array
+  prev: jax.Array
+  depth: jax.Array
+  tests: jax.Array
   done: jax.Array
-  residual: jax.Array  # (V,) sampling weights at `node`: p[node], or the unnormalised residual
-  raw: jax.Array  # True while `residual` is p[node] as given (no sibling rejected yet)
-  q_left: jax.Array  # (V,) q[node] with rejected siblings' tokens removed ("without_replacement")
-  removed: jax.Array  # True once a token was removed from q_left
-  out: jax.Array  # (L,) emitted tokens
-  path: jax.Array  # (L,) accepted nodes
+  raw: jax.Array
+  c: jax.Array
+  z: jax.Array
+  q_total: jax.Array
+  removed: jax.Array
+  frozen: jax.Array
+  removed_p: jax.Array
+  removed_q: jax.Array
+  n_removed: jax.Array
+  out: jax.Array
+  path: jax.Array
   error: jax.Array
 
 
-@public_jit(arrays=TREE_ARRAYS, static_argnames=("law", "pad_id", "max_depth"))
+class _Reader:
+  """A row reader of :mod:`~specdec_jax._stream` that also gathers one entry, sharded or not."""
+
+  def __init__(self, read, local_vocab: int, axis_name: str | None):
+    self.read, self.local_vocab, self.axis_name = read, local_vocab, axis_name
+
+  def offset(self) -> jax.Array:
+    """The global id of this device's first column."""
+    if self.axis_name is None:
+      return jnp.int32(0)
+    return lax.axis_index(self.axis_name).astype(jnp.int32) * self.local_vocab
+
+  def row(self, node, start, size: int) -> jax.Array:
+    return self.read(node, start, size)
+
+  def entry(self, node, token) -> jax.Array:
+    """``row[node][token]`` on every device (the device that holds it contributes it)."""
+    if self.axis_name is None:
+      return self.read(node, token, 1)[0]
+    local = token - self.offset()
+    mine = (local >= 0) & (local < self.local_vocab)
+    value = self.read(node, jnp.clip(local, 0, self.local_vocab - 1), 1)[0]
+    return lax.psum(jnp.where(mine, value, jnp.zeros_like(value)), self.axis_name)
+
+
+def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, *, law: str,
+              max_depth: int, pad_id: int, layout: str, local_vocab: int, dtype, tol: float,
+              axis_name: str | None = None, looped: bool = True) -> TreeVerifyResult:
+  """The walk of :func:`tree_verify` for one tree, reading ``p``/``q`` rows through ``readers``.
+
+  The body of :func:`~specdec_jax._stream.per_sequence`: on XLA:CPU each tree of a batch runs
+  its own loop with real branches, so a pass over a node's rows happens only after a rejection
+  (for the residual's new mass) and once at the end (for the final sample). With
+  ``axis_name`` the rows hold this device's ``V / n`` columns and only scalars cross devices.
+  """
+  p_rows = _Reader(readers[0], local_vocab, axis_name)
+  q_rows = _Reader(readers[1], local_vocab, axis_name)
+  size = parents.shape[0]
+  length = max_depth + 1
+  block = min(BLOCK, local_vocab)
+  index = anchored(jnp.arange(size, dtype=jnp.int32), parents)  # typed like the inputs
+  uses_q = law != "deterministic"
+  zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
+
+  def g_of(p_val, q_val, c):
+    """``G = max(p - c q, 0)`` (``max(p, 0)`` without ``q``); NaN propagates."""
+    p_val = p_val.astype(dtype)
+    if q_val is None:
+      return jnp.maximum(p_val, 0)
+    return jnp.maximum(p_val - c * q_val.astype(dtype), 0)
+
+  def with_removed(values, ids, s: Walk):
+    """The frozen weights in place of ``G`` for the tokens rejected at this node."""
+    for k in range(size):
+      values = jnp.where((ids == s.removed[k]) & (k < s.n_removed), s.frozen[k], values)
+    return values
+
+  def pass_over(s: Walk, c, read_q):
+    """One fused read of the node's rows: clean block masses of the weights, their total ``Z``,
+    ``sum q`` and the rows' error bits. Negative entries are poisoned with ``-inf`` (NaN
+    propagates), so a block holding one has no mass and the bits report it."""
+    p_row = p_rows.row(s.node, 0, local_vocab).astype(dtype)
+    q_row = q_rows.row(s.node, 0, local_vocab).astype(dtype) if read_q else None
+    ids = p_rows.offset() + jnp.arange(local_vocab, dtype=jnp.int32)
+    negative = p_row < 0 if q_row is None else (p_row < 0) | (q_row < 0)
+    values = with_removed(g_of(p_row, q_row, c), ids, s)
+    masses = block_masses(jnp.where(negative, -jnp.inf, values), block)
+    p_sum = psum_if(jnp.sum(jnp.where(p_row < 0, -jnp.inf, p_row)), axis_name)
+    q_sum = jnp.ones_like(p_sum) if q_row is None else psum_if(jnp.sum(q_row), axis_name)
+    error = stop_row_error(masses, p_sum, q_sum, jnp.asarray(q_row is not None), tol, axis_name)
+    clean = jnp.where(jnp.isfinite(masses) & (masses > 0), masses, 0)
+    return clean, psum_if(jnp.sum(clean), axis_name), q_sum, error
+
+  def test_child(s: Walk, child) -> Walk:
+    x, in_range = safe_tokens[child], token_in_range[child]
+    u = uniforms[child] if layout == "per_node" else uniforms[s.tests]
+    p_x = p_rows.entry(s.node, x).astype(dtype)
+    q_x = q_rows.entry(s.node, x).astype(dtype) if uses_q else None
+    known = (s.removed == x) & (index < s.n_removed)  # x was rejected here before
+    g_x = jnp.where(jnp.any(known), jnp.sum(jnp.where(known, s.frozen, 0)),
+                    g_of(p_x, q_x, s.c))
+    r_x = jnp.where(s.raw & ~jnp.any(known), p_x, g_x / s.z)
+    removed_mass = jnp.sum(jnp.where(index < s.n_removed, sanitize(s.removed_q), 0))
+    q_left = s.q_total - removed_mass
+    if law == "iid":
+      q_j = q_x
+    elif law == "without_replacement":  # q without the rejected tokens, renormalised
+      q_j = jnp.where(jnp.any(known), 0,
+                      jnp.where(s.n_removed > 0, q_x / jnp.where(q_left > 0, q_left, 1), q_x))
+    else:  # a point mass on x
+      q_j = one
+    ok = accepts(u, r_x, q_j) & in_range
+    error = (s.error | uniform_codes(u, jnp.asarray(True))
+             | flag(~in_range, ErrorCode.DRAFT_OUT_OF_RANGE) | value_codes(p_x, tol))
+    if uses_q:
+      error = error | value_codes(q_x, tol)
+
+    def accept(_):
+      # (Constants written as *_like the state: inside shard_map they keep its mesh axes.)
+      return s._replace(
+        node=child + jnp.zeros_like(s.node), prev=child + jnp.zeros_like(s.prev),
+        depth=s.depth + 1, tests=s.tests + 1, raw=jnp.ones_like(s.raw), c=jnp.zeros_like(s.c),
+        z=jnp.ones_like(s.z), n_removed=jnp.zeros_like(s.n_removed),
+        out=s.out.at[s.depth].set(x), path=s.path.at[s.depth].set(child), error=error)
+
+    def reject(_):
+      # r <- max(r - q_j, 0), renormalised. With r = G / Z: the tokens not rejected here keep
+      # G = max(p - c q, 0) with c += Z / S (S: the mass q_j was normalised by), a rejected
+      # token's weight is frozen (q_j is 0 there from then on, without replacement).
+      z = jnp.where(s.raw, one, s.z)
+      if law == "deterministic":
+        c, frozen_x = s.c, jnp.maximum(jnp.where(s.raw, p_x, g_x) - z, 0)
+      else:
+        share = jnp.where((law == "without_replacement") & (s.n_removed > 0), q_left, one)
+        c = s.c + z / jnp.where(share > 0, share, one)
+        frozen_x = jnp.where(jnp.any(known), g_x, g_of(p_x, q_x, c))
+      new = in_range & ~jnp.any(known) & (law != "iid")
+      slot = new & (index == s.n_removed)
+      t = s._replace(
+        prev=child + jnp.zeros_like(s.prev), tests=s.tests + 1, c=c,
+        removed=jnp.where(slot, x, s.removed),
+        frozen=jnp.where(slot, frozen_x, s.frozen), removed_p=jnp.where(slot, p_x, s.removed_p),
+        removed_q=jnp.where(slot, q_x if uses_q else zero, s.removed_q),
+        n_removed=s.n_removed + new.astype(jnp.int32), error=error)
+      _, total, q_sum, row_err = pass_over(t, c, uses_q)
+      empty = ~(total > 0)  # nothing left: fall back to p[node]
+      return t._replace(raw=empty, c=jnp.where(empty, zero, c), z=jnp.where(empty, one, total),
+                        q_total=jnp.where(uses_q, sanitize(q_sum), one),
+                        frozen=jnp.where(empty, t.removed_p, t.frozen), error=t.error | row_err)
+
+    return branch(looped, ok, lambda: accept(None), lambda: reject(None))
+
+  def finish(s: Walk) -> Walk:
+    u = uniforms[0] if layout == "per_node" else uniforms[s.tests]
+    # While raw, the weights are p (the fallback's frozen weights are p too): q is not read.
+    masses, _, _, row_err = branch(looped, s.raw, lambda: pass_over(s, zero, False),
+                                   lambda: pass_over(s, s.c, uses_q))
+
+    def block_values(lo, start, bsize):
+      p_part = p_rows.row(s.node, start, bsize)
+      q_part = q_rows.row(s.node, start, bsize) if uses_q else None
+      q_part = None if q_part is None else jnp.where(s.raw, 0, q_part)
+      ids = p_rows.offset() + start + jnp.arange(bsize, dtype=jnp.int32)
+      values = with_removed(g_of(p_part, q_part, jnp.where(s.raw, zero, s.c)), ids, s)
+      return mask_block(sanitize(values), lo, start)
+
+    if axis_name is None:
+      b, rest = pick_block(masses, u * jnp.sum(masses))
+      lo, first = block_start(b, local_vocab, block)
+      token = first + pick_in_block(block_values(lo, first, block), rest)
+    else:
+      token = sharded_inverse_cdf(masses, block_values, u, local_vocab, axis_name)
+    return s._replace(done=jnp.ones_like(s.done), out=s.out.at[s.depth].set(token),
+                      error=s.error | uniform_codes(u, jnp.asarray(True)) | row_err)
+
+  def step(s: Walk) -> Walk:
+    candidates = is_node & (parents == s.node) & (index > s.prev) & (s.depth < max_depth)
+    child = jnp.argmax(candidates).astype(jnp.int32)
+    return branch(looped, candidates[child], lambda: test_child(s, child), lambda: finish(s))
+
+  none = jnp.full((size,), -1, jnp.int32)
+  empty_values = jnp.zeros((size,), dtype)
+  start = Walk(
+    node=jnp.int32(0), prev=jnp.int32(0), depth=jnp.int32(0), tests=jnp.int32(0),
+    done=jnp.asarray(False), raw=jnp.asarray(True), c=zero, z=one, q_total=one, removed=none,
+    frozen=empty_values, removed_p=empty_values, removed_q=empty_values, n_removed=jnp.int32(0),
+    out=jnp.full((length,), pad_id, jnp.int32), path=jnp.full((length,), -1, jnp.int32),
+    error=jnp.int32(0))
+  # Typed like what the body computes (inside shard_map: the same varying mesh axes).
+  start = anchored(start, parents, safe_tokens, uniforms, is_node, p_rows.entry(0, 0),
+                   q_rows.entry(0, 0))
+  end = lax.while_loop(lambda s: ~s.done, step, start)
+  return TreeVerifyResult(
+    tokens=end.out, path=end.path, num_tokens=end.depth + 1, num_accepted=end.depth,
+    num_uniforms=end.tests + 1, valid=end.error == 0, error=end.error)
+
+
+@public_jit(arrays=TREE_ARRAYS,
+            static_argnames=("law", "pad_id", "max_depth", "uniform_layout"))
 def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "iid",
-                pad_id: int = -1, max_depth: int | None = None) -> TreeVerifyResult:
+                pad_id: int = -1, max_depth: int | None = None,
+                uniform_layout: str = "sequential") -> TreeVerifyResult:
   """Exact draft-tree verification by recursive rejection sampling (jitted).
 
   Node 0 is the root (the current context, no token); node ``c`` in ``1 .. N - 1``
@@ -157,10 +391,22 @@ def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "
   Under ``jit`` nothing raises on values: ids stay in ``[0, V)``, an out-of-range
   child id is rejected (``DRAFT_OUT_OF_RANGE``), a real node whose parent is not in
   ``[0, own index)`` is ignored (``BAD_PARAMS``), ``num_nodes`` outside ``[1, N]`` is
-  clipped (``BAD_NUM_DRAFT``), and NaN/negative/unnormalised rows that were read or
+  clipped (``BAD_NUM_DRAFT``), and NaN/negative/unnormalised values that were read or
   uniforms outside ``[0, 1)`` set their bits in ``error``. Shapes are checked at
-  trace time. The walk is a ``lax.while_loop`` of at most ``N`` steps, each
-  ``O(N + V)``; children are found by masking ``parents == u``.
+  trace time.
+
+  The walk is a ``lax.while_loop`` of at most ``N`` steps that carries no ``(V,)`` row: the
+  residual at a node is ``max(p - c q, 0)`` (``p`` under ``"deterministic"``) with a scalar
+  ``c``, except for the tokens rejected there, whose weights are kept in ``(N,)`` arrays.
+  A test gathers two scalars; a rejection costs one pass over the node's rows (for the new
+  residual mass) and the final token one more (a two-level inverse CDF, as
+  :func:`~specdec_jax.sample_index`). Under ``jax.vmap`` on XLA:CPU each tree runs its own
+  walk (:mod:`~specdec_jax._stream`), so those passes happen only where they are needed.
+
+  ``uniform_layout="per_node"`` is the layout of engines that draw one coin per tree node
+  (EAGLE/sglang): the test of child ``c`` reads ``uniforms[c]`` and the final sample reads
+  ``uniforms[0]`` (the root has no test). Each uniform is read at most once either way, so
+  the output law is the same; only which number decides what differs.
 
   Args:
     p: ``(N, V)`` floating. ``p[u]``: the target's next-token law after the path to ``u``.
@@ -176,6 +422,9 @@ def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "
     pad_id: static int written into the unused slots of ``tokens``.
     max_depth: static int, the length of the output minus one (default ``N - 1``).
       Children deeper than ``max_depth`` are ignored (a truncated tree, still exact).
+    uniform_layout: static, ``"sequential"`` (slot ``t`` is the ``t``-th test, then the
+      final sample) or ``"per_node"`` (slot ``c`` is child ``c``'s test, slot 0 the final
+      sample).
 
   Returns:
     :class:`TreeVerifyResult` with ``tokens`` and ``path`` of shape ``(max_depth + 1,)``.
@@ -198,102 +447,48 @@ def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "
     arXiv:2402.14160; Li et al., "EAGLE-2: Faster Inference of Language Models with
     Dynamic Draft Trees", arXiv:2406.16858.
   """
-  size, vocab, max_depth = _check_tree(p, q, parents, tokens, uniforms, law, max_depth,
-                                       "tree_verify")
+  _, vocab, max_depth = check_tree(p, q, parents, tokens, uniforms, law, max_depth,
+                                       "tree_verify", uniform_layout)
   check_scalar("tree_verify", "num_nodes", num_nodes, INT)
-  length = max_depth + 1
+  return tree_rows(p, q, parents, tokens, uniforms, num_nodes, law=law, pad_id=pad_id,
+                   max_depth=max_depth, uniform_layout=uniform_layout, vocab=vocab)
+
+
+def tree_rows(p, q, parents, tokens, uniforms, num_nodes, *, law: str, pad_id: int,
+              max_depth: int, uniform_layout: str, vocab: int,
+              axis_name: str | None = None) -> TreeVerifyResult:
+  """The body of :func:`tree_verify` for one tree whose rows may be vocab-sharded.
+
+  With ``axis_name`` (inside ``shard_map``) ``p``/``q`` hold this device's ``(N, V / n)``
+  columns; the walk is replicated and only scalars cross devices (gathered entries, row
+  sums, the sharded inverse CDF's partial masses and candidate).
+  """
+  size = p.shape[0]
   tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
   dtype = compute_dtype(p.dtype, q.dtype)
-  uniforms = uniforms.astype(dtype)
   index = jnp.arange(size, dtype=jnp.int32)
-  ids = jnp.arange(vocab, dtype=jnp.int32)
   real, bad_count = clip_count(num_nodes, 1, size)
   # Real non-root nodes need a parent in [0, own index); others are never reached (and flagged).
   # Parents and ids are compared in their own dtype, before the int32 cast (no wrap-around).
   bad_parent = (index > 0) & (index < real) & ((parents < 0) | (parents >= index))
   parents = jnp.clip(parents, -1, size).astype(jnp.int32)
   token_in_range, safe_tokens = id_in_range(tokens, vocab)
-  error = (flag(bad_count, ErrorCode.BAD_NUM_DRAFT)
-           | flag(jnp.any(bad_parent), ErrorCode.BAD_PARAMS)
-           | row_error(p[0].astype(dtype), tol))
   is_node = (index > 0) & (index < real) & ~bad_parent
-
-  def arrive(node):
-    """The residual state on arriving at ``node``: p[node] as given, q[node] untouched."""
-    return p[node].astype(dtype), jnp.asarray(True), q[node].astype(dtype), jnp.asarray(False)
-
-  residual, raw, q_left, removed = arrive(jnp.int32(0))
-  start = _Walk(
-    node=jnp.int32(0), prev=jnp.int32(0), depth=jnp.int32(0), tests=jnp.int32(0),
-    done=jnp.asarray(False), residual=residual, raw=raw, q_left=q_left, removed=removed,
-    out=jnp.full((length,), pad_id, jnp.int32), path=jnp.full((length,), -1, jnp.int32),
-    error=error)
-
-  def uniform_error(u):
-    return flag(~((u >= 0) & (u < 1)), ErrorCode.UNIFORM_OUT_OF_RANGE)
-
-  def test_child(s: _Walk, child) -> _Walk:
-    in_range = token_in_range[child]
-    safe_x = safe_tokens[child]
-    is_x = (ids == safe_x) & in_range  # all False for an out-of-range id
-    u = uniforms[s.tests]
-    total = jnp.sum(sanitize(s.residual))
-    r = jnp.where(s.raw, s.residual, s.residual / jnp.where(total > 0, total, 1))
-    if law == "iid":
-      q_j = q[s.node].astype(dtype)
-    elif law == "without_replacement":
-      left = jnp.sum(sanitize(s.q_left))
-      q_j = jnp.where(s.removed, s.q_left / jnp.where(left > 0, left, 1), s.q_left)
-    else:  # a point mass on the child's token
-      q_j = is_x.astype(dtype)
-    ok = accepts(u, r[safe_x], q_j[safe_x]) & in_range
-    first_test = s.prev == s.node
-    error = s.error | uniform_error(u) | flag(~in_range, ErrorCode.DRAFT_OUT_OF_RANGE)
-    if law != "deterministic":
-      error = error | jnp.where(first_test, row_error(q[s.node].astype(dtype), tol), 0)
-
-    def accept(_):
-      residual, raw, q_left, removed = arrive(child)
-      return s._replace(
-        node=child, prev=child, depth=s.depth + 1, tests=s.tests + 1, residual=residual,
-        raw=raw, q_left=q_left, removed=removed, out=s.out.at[s.depth].set(safe_x),
-        path=s.path.at[s.depth].set(child),
-        error=error | row_error(p[child].astype(dtype), tol))
-
-    def reject(_):
-      weights = jnp.maximum(r - q_j, 0)
-      empty = ~(jnp.sum(sanitize(weights)) > 0)  # nothing left: fall back to p[node]
-      residual = jnp.where(empty, p[s.node].astype(dtype), weights)
-      q_left = s.q_left
-      if law == "without_replacement":
-        q_left = jnp.where(is_x, jnp.zeros_like(q_left), q_left)
-      return s._replace(prev=child, tests=s.tests + 1, residual=residual, raw=empty,
-                        q_left=q_left, removed=s.removed | jnp.any(is_x), error=error)
-
-    return lax.cond(ok, accept, reject, None)
-
-  def finish(s: _Walk) -> _Walk:
-    u = uniforms[s.tests]
-    token = sample_index(s.residual, u)
-    return s._replace(done=jnp.asarray(True), out=s.out.at[s.depth].set(token),
-                      error=s.error | uniform_error(u))
-
-  def step(s: _Walk) -> _Walk:
-    candidates = is_node & (parents == s.node) & (index > s.prev) & (s.depth < max_depth)
-    child = jnp.argmax(candidates).astype(jnp.int32)
-    return lax.cond(candidates[child], lambda c: test_child(s, c), lambda c: finish(s), child)
-
-  end = lax.while_loop(lambda s: ~s.done, step, start)
-  return TreeVerifyResult(
-    tokens=end.out, path=end.path, num_tokens=end.depth + 1, num_accepted=end.depth,
-    num_uniforms=end.tests + 1, valid=end.error == 0, error=end.error)
+  walk = functools.partial(tree_walk, law=law, max_depth=max_depth, pad_id=pad_id,
+                           layout=uniform_layout, local_vocab=p.shape[-1], dtype=dtype, tol=tol,
+                           axis_name=axis_name)
+  result = per_sequence(walk, (p, q), parents, safe_tokens, token_in_range,
+                        uniforms.astype(dtype), is_node)
+  error = (result.error | flag(bad_count, ErrorCode.BAD_NUM_DRAFT)
+           | flag(jnp.any(bad_parent), ErrorCode.BAD_PARAMS))
+  return result._replace(error=error, valid=error == 0)
 
 
-
-
-@public_jit(arrays=TREE_ARRAYS, static_argnames=("law", "pad_id", "max_depth"))
+@public_jit(arrays=TREE_ARRAYS,
+            static_argnames=("law", "pad_id", "max_depth", "uniform_layout"))
 def tree_verify_with_key(key, p, q, parents, tokens, *, num_nodes=None, law: str = "iid",
-                         pad_id: int = -1, max_depth: int | None = None) -> TreeVerifyResult:
+                         pad_id: int = -1, max_depth: int | None = None,
+                         uniform_layout: str = "sequential") -> TreeVerifyResult:
   """:func:`tree_verify` with its ``N`` uniforms drawn from a key.
 
   The uniforms are ``jax.random.uniform(key, (N,), dtype)`` in the computation
@@ -320,7 +515,9 @@ def tree_verify_with_key(key, p, q, parents, tokens, *, num_nodes=None, law: str
     Miao et al. (2023), arXiv:2305.09781.
   """
   name = "tree_verify_with_key"
-  size, _, _ = _check_tree(p, q, parents, tokens, None, law, max_depth, name)
+  size, vocab, max_depth = check_tree(p, q, parents, tokens, None, law, max_depth, name,
+                                       uniform_layout)
+  check_scalar(name, "num_nodes", num_nodes, INT)
   uniforms = key_uniforms(name, key, size, compute_dtype(p.dtype, q.dtype))
-  return tree_verify.jitted(p, q, parents, tokens, uniforms, num_nodes=num_nodes, law=law,
-                            pad_id=pad_id, max_depth=max_depth)
+  return tree_rows(p, q, parents, tokens, uniforms, num_nodes, law=law, pad_id=pad_id,
+                   max_depth=max_depth, uniform_layout=uniform_layout, vocab=vocab)

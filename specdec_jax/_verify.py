@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -34,7 +33,12 @@ from specdec_jax._sampling import pick_block
 from specdec_jax._sampling import pick_in_block
 from specdec_jax._sampling import sanitize
 from specdec_jax._sampling import sharded_inverse_cdf
+from specdec_jax._stream import anchored
+from specdec_jax._stream import branch
 from specdec_jax._stream import per_sequence
+from specdec_jax._stream import point_reader
+from specdec_jax._stream import reader
+from specdec_jax._stream import shifted
 
 
 class VerifyResult(NamedTuple):
@@ -97,32 +101,54 @@ def id_in_range(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
 
 
 def prepare(p, q, draft, uniforms, num_draft, vocab: int) -> Prepared:
-  """Dtypes, the clipped ``num_draft`` and the clipped draft ids, shared by the verifiers."""
+  """Dtypes, the clipped ``num_draft`` and the clipped draft ids, shared by the verifiers.
+
+  ``q=None`` (point-mass drafts) takes both from ``p``.
+  """
   gamma = draft.shape[0]
-  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
-  dtype = compute_dtype(p.dtype, q.dtype)
+  q_dtype = p.dtype if q is None else q.dtype
+  tol = max(row_tolerance(p.dtype), row_tolerance(q_dtype))
+  dtype = compute_dtype(p.dtype, q_dtype)
   limit, bad_limit = clip_count(num_draft, 0, gamma)
   in_range, safe_draft = id_in_range(draft, vocab)
   return Prepared(tol, dtype, uniforms.astype(dtype), limit, bad_limit, in_range, safe_draft,
                   jnp.arange(gamma, dtype=jnp.int32))
 
 
-def gather_draft_probs(p, q, prep: Prepared, axis_name: str | None = None):
+def packed_rows(offset, positions, num_rows: int) -> jax.Array:
+  """Row indices ``offset + positions`` of one sequence in an array of ``num_rows`` rows, clipped.
+
+  A sequence's rows may sit anywhere in a packed array (``offset``: its first row); positions
+  past its own rows are clipped into the array (they are never tested, see ``limit``).
+  """
+  return jnp.clip(offset + positions, 0, max(num_rows - 1, 0)).astype(jnp.int32)
+
+
+def gather_draft_probs(p, q, prep: Prepared, axis_name: str | None = None, *, p_offset=0,
+                       q_offset=0):
   """``(p_x, q_x)``: the ``2 * gamma`` probabilities of the draft tokens, in the compute dtype.
 
-  With ``axis_name`` the rows hold this device's ``V / n`` columns; the device that holds
-  an id contributes its value and a ``psum`` gives every device both scalars.
+  The sequence's rows start at ``p_offset``/``q_offset`` of ``p``/``q`` (packed layouts).
+  ``q=None`` means point-mass drafts: ``q_x = 1``. With ``axis_name`` the rows hold this
+  device's ``V / n`` columns; the device that holds an id contributes its value and a
+  ``psum`` gives every device both scalars.
   """
   positions, ids, dtype = prep.positions, prep.safe_draft, prep.dtype
+  p_rows = packed_rows(p_offset, positions, p.shape[0])
+  ones = jnp.ones(positions.shape, dtype)
   if axis_name is None:
-    return p[positions, ids].astype(dtype), q[positions, ids].astype(dtype)
+    q_x = ones if q is None else q[packed_rows(q_offset, positions, q.shape[0]), ids]
+    return p[p_rows, ids].astype(dtype), q_x.astype(dtype)
   local_vocab = p.shape[-1]
   local = ids - lax.axis_index(axis_name).astype(jnp.int32) * local_vocab
   mine = (local >= 0) & (local < local_vocab)
   local = jnp.clip(local, 0, local_vocab - 1)
   zero = jnp.zeros((), dtype)
-  p_x = lax.psum(jnp.where(mine, p[positions, local].astype(dtype), zero), axis_name)
-  q_x = lax.psum(jnp.where(mine, q[positions, local].astype(dtype), zero), axis_name)
+  p_x = lax.psum(jnp.where(mine, p[p_rows, local].astype(dtype), zero), axis_name)
+  if q is None:
+    return p_x, ones + jnp.zeros_like(p_x)
+  q_rows = packed_rows(q_offset, positions, q.shape[0])
+  q_x = lax.psum(jnp.where(mine, q[q_rows, local].astype(dtype), zero), axis_name)
   return p_x, q_x
 
 
@@ -184,44 +210,75 @@ def weights(p_part, q_part, use_residual, dtype):
   return jnp.where(use_residual, jnp.maximum(p_part - q_part.astype(dtype), 0), p_part)
 
 
-def stop_row_stats(readers, row, q_row_index, rejected, *, vocab: int, block: int,
-                   dtype) -> RowStats:
+def stop_row_stats(read_p, read_q, row, q_row_index, rejected, *, vocab: int, block: int,
+                   dtype, bonus_given: bool = False, looped: bool = True) -> RowStats:
   """:class:`RowStats` of ``p[row]`` and (after a rejection) ``q[q_row_index]``, one pass.
 
   The body of :func:`~specdec_jax._stream.per_sequence` in :func:`verify_rows`: a real
-  branch per sequence (and in the CPU batch loop), a select under plain ``vmap``.
+  branch per sequence (and in the CPU batch loop), a select under plain ``vmap``. With
+  ``bonus_given`` nothing is read when every proposal was accepted (the caller's bonus token
+  is emitted): the statistics are zeros.
   """
-  read_p, read_q = readers
-  p_row = read_p(row, 0, vocab).astype(dtype)
-  poisoned_p = jnp.where(p_row < 0, -jnp.inf, p_row)
-
   def accepted_all():  # the bonus row: one pass; its masses are p's
-    masses = block_masses(poisoned_p, block)
+    if bonus_given:
+      zeros = anchored(jnp.zeros((-(-vocab // block),), dtype), read_p(row, 0, 1))
+      return RowStats(zeros, zeros, zeros[0])
+    p_row = read_p(row, 0, vocab).astype(dtype)
+    masses = block_masses(jnp.where(p_row < 0, -jnp.inf, p_row), block)
     return RowStats(masses, masses, jnp.zeros_like(p_row[0]))  # typed like the row (shard_map)
 
   def rejection():  # residual masses, and the sums that check both rows
+    p_row = read_p(row, 0, vocab).astype(dtype)
     q_row = read_q(q_row_index, 0, vocab).astype(dtype)
     negative = (p_row < 0) | (q_row < 0)
     raw = jnp.where(negative, -jnp.inf, jnp.maximum(p_row - q_row, 0))
+    poisoned_p = jnp.where(p_row < 0, -jnp.inf, p_row)
     return RowStats(block_masses(raw, block), block_masses(poisoned_p, block), jnp.sum(q_row))
 
-  return lax.cond(rejected, rejection, accepted_all)
+  return branch(looped, rejected, rejection, accepted_all)
+
+
+def chain_readers(readers, p_offset, q_offset, points, first_column, dtype):
+  """``(read_p, read_q)`` of one sequence, relative to its first row.
+
+  ``readers`` read ``p`` (and ``q``, unless ``points`` is given: then ``q`` is the one-hot of
+  ``points[row]``, see :func:`~specdec_jax._stream.point_reader`) of a packed array whose
+  rows for this sequence start at ``p_offset``/``q_offset``.
+  """
+  read_p = shifted(readers[0], p_offset)
+  if points is not None:  # point-mass drafts: there is no q array
+    return read_p, point_reader(points, first_column, dtype)
+  return read_p, shifted(readers[1], q_offset)
+
+
+def first_column(local_vocab: int, axis_name: str | None) -> jax.Array:
+  """The global id of this device's first column (0 without ``axis_name``)."""
+  if axis_name is None:
+    return jnp.int32(0)
+  return lax.axis_index(axis_name).astype(jnp.int32) * local_vocab
 
 
 def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
-                axis_name: str | None = None) -> VerifyResult:
-  """The rule on one sequence whose rows may be vocab-sharded (``axis_name``): the single body.
+                axis_name: str | None = None, p_offset=0, q_offset=0,
+                bonus_token=None) -> VerifyResult:
+  """The rule on one sequence whose rows may be packed or vocab-sharded: the single body.
 
   ``p``/``q`` hold this device's ``(rows, V / n)`` slice when ``axis_name`` is set
   (inside ``shard_map``), the whole rows otherwise. Everything but the ``2 * gamma``
   gathered scalars, three row statistics and the final sample is replicated.
+
+  Packed layouts (:mod:`~specdec_jax._packed`): the sequence's rows are ``p[p_offset + i]``
+  and ``q[q_offset + i]`` of arrays shared by the batch (read in place, never copied);
+  ``q=None`` means point-mass drafts (``q[i]`` is the one-hot of ``draft[i]``, computed
+  where it is read); with ``bonus_token`` (a traced id) a sequence that accepts every
+  proposal emits it instead of sampling from ``p[num_draft]``, which is then never read.
   """
   gamma = draft.shape[0]
   local_vocab = p.shape[-1]
   prep = prepare(p, q, draft, uniforms, num_draft, vocab)
   dtype, limit, uniforms = prep.dtype, prep.limit, prep.uniforms
   # Only 2 * gamma scalars are gathered for the accept scan.
-  p_x, q_x = gather_draft_probs(p, q, prep, axis_name)
+  p_x, q_x = gather_draft_probs(p, q, prep, axis_name, p_offset=p_offset, q_offset=q_offset)
 
   def keep_going(state):
     i, rejected = state
@@ -240,18 +297,30 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   start = (zero, zero > 0)
   num_accepted, rejected = lax.while_loop(keep_going, test_one, start) if gamma else start
   num_tests = num_accepted + rejected.astype(jnp.int32)
+  rejected = rejected & (gamma > 0)
 
   # The stop row: the residual max(p[n] - q[n], 0) after a rejection at n, or p[n]
   # for the bonus (n = limit). One streamed read of it gives the block masses of the
-  # sampling weights, the block sums of p[n] and the sum of q[n] (see _rows.py);
-  # then one block of each row is read again for the inverse CDF. No (gamma + 1, V)
-  # array is ever formed.
+  # sampling weights, the block sums of p[n] and the sum of q[n]; then one block of each
+  # row is read again for the inverse CDF. No (gamma + 1, V) array is ever formed.
   row = num_accepted
   q_row_index = jnp.minimum(row, max(gamma - 1, 0))
   block = min(BLOCK, local_vocab)
-  masses, p_masses, q_sum = per_sequence(
-    functools.partial(stop_row_stats, vocab=local_vocab, block=block, dtype=dtype), (p, q),
-    row, q_row_index, rejected & (gamma > 0))
+  column = first_column(local_vocab, axis_name)
+  point_mass = q is None
+  arrays = (p,) if point_mass else (p, q)
+  given = bonus_token is not None
+  p_offset = jnp.asarray(p_offset, jnp.int32)
+  q_offset = jnp.asarray(q_offset, jnp.int32)
+
+  def stats(readers, row, q_row_index, rejected, p_offset, q_offset, ids, column, *, looped):
+    points = ids if point_mass else None
+    read_p, read_q = chain_readers(readers, p_offset, q_offset, points, column, dtype)
+    return stop_row_stats(read_p, read_q, row, q_row_index, rejected, vocab=local_vocab,
+                          block=block, dtype=dtype, bonus_given=given, looped=looped)
+
+  masses, p_masses, q_sum = per_sequence(stats, arrays, row, q_row_index, rejected,
+                                         p_offset, q_offset, prep.safe_draft, column)
   q_sum = psum_if(q_sum, axis_name)
   p_sum = psum_if(jnp.sum(p_masses), axis_name)
 
@@ -259,10 +328,12 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   clean_p = jnp.where(jnp.isfinite(p_masses) & (p_masses > 0), p_masses, 0)
   use_residual = rejected & (psum_if(jnp.sum(clean), axis_name) > 0)  # else fall back to p[n]
   clean = jnp.where(use_residual | ~rejected, clean, clean_p)
+  read_p, read_q = chain_readers([reader(a) for a in arrays], p_offset, q_offset,
+                                 prep.safe_draft if point_mass else None, column, dtype)
 
   def block_values(lo, start, size):
-    p_part = lax.dynamic_slice(p, (row, start), (1, size))[0]
-    q_part = lax.dynamic_slice(q, (q_row_index, start), (1, size))[0] if gamma else None
+    p_part = read_p(row, start, size)
+    q_part = read_q(q_row_index, start, size) if gamma else None
     return mask_block(sanitize(weights(p_part, q_part, use_residual, dtype)), lo, start)
 
   final_u = uniforms[num_tests]
@@ -273,13 +344,21 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
   else:
     token = sharded_inverse_cdf(clean, block_values, final_u, local_vocab, axis_name)
 
+  row_error = stop_row_error(masses, p_sum, q_sum, rejected, prep.tol, axis_name)
+  num_uniforms = num_tests + 1
+  if given:  # every proposal accepted: the caller's token, nothing read, no uniform used
+    bonus_ok, safe_bonus = id_in_range(bonus_token, vocab)
+    use_bonus = ~rejected
+    token = jnp.where(use_bonus, safe_bonus, token)
+    row_error = jnp.where(use_bonus, flag(~bonus_ok, ErrorCode.TOKEN_OUT_OF_RANGE), row_error)
+    num_uniforms = num_tests + rejected.astype(jnp.int32)
+
   # What the step read: per tested position the draft id and its two gathered
   # probabilities, the uniforms of the tests and of the final sample, the stop row(s).
   positions = prep.positions
   return assemble(prep, p_x, q_x, num_accepted=num_accepted, token=token,
-                  num_uniforms=num_tests + 1, tested=positions < num_tests,
-                  row_error=stop_row_error(masses, p_sum, q_sum, rejected, prep.tol, axis_name),
-                  pad_id=pad_id)
+                  num_uniforms=num_uniforms, tested=positions < num_tests,
+                  row_error=row_error, pad_id=pad_id)
 
 
 #: The array arguments of the chain verifiers, converted on the host by ``public_jit``.

@@ -7,12 +7,12 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import stats
 
 from specdec_jax import SamplingParams
 from specdec_jax import process_logits
 from specdec_jax._sampling import first_hit
 from specdec_jax._sampling import sanitize
+from specdec_jax.theory import chi_square_test
 
 # The worked example of SPEC.md.
 P_EXAMPLE = np.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
@@ -74,37 +74,12 @@ def sample_rows(rng: np.random.Generator, rows: np.ndarray, n: int) -> np.ndarra
   return np.argmax(u < cdf[None], axis=-1)
 
 
-def chi_square_pvalue(observed: np.ndarray, probs: np.ndarray) -> tuple[float, str]:
-  """Pearson chi-square p-value of ``observed`` counts against ``probs``.
-
-  Bins with expected count < 5 are pooled into one. A count in a bin of
-  probability 0 gives p-value 0 outright.
-  """
-  observed = np.asarray(observed, dtype=np.float64)
-  probs = np.asarray(probs, dtype=np.float64)
-  total = observed.sum()
-  expected = probs * total
-  detail = f"expected {np.round(expected, 1).tolist()}, observed {observed.astype(int).tolist()}"
-  if np.any((probs == 0) & (observed > 0)):
-    return 0.0, detail
-  big = expected >= 5
-  obs = list(observed[big])
-  exp = list(expected[big])
-  if (~big).any() and expected[~big].sum() > 0:
-    obs.append(observed[~big].sum())
-    exp.append(expected[~big].sum())
-  if len(obs) < 2:
-    return 1.0, detail
-  statistic = float(np.sum((np.array(obs) - np.array(exp)) ** 2 / np.array(exp)))
-  return float(stats.chi2.sf(statistic, len(obs) - 1)), detail
-
-
 def assert_same_distribution(samples: np.ndarray, probs: np.ndarray, alpha: float, label: str):
   """Chi-square test of integer ``samples`` against ``probs`` at significance ``alpha``."""
   counts = np.bincount(np.asarray(samples), minlength=len(probs))
   if counts.shape[0] > len(probs):
     raise AssertionError(f"{label}: sample outside [0, {len(probs)}): {counts}")
-  pvalue, detail = chi_square_pvalue(counts, probs)
+  _, _, pvalue, detail = chi_square_test(counts, probs)
   if pvalue < alpha:
     raise AssertionError(f"{label}: chi-square p = {pvalue:.3g} < alpha = {alpha:.3g}; {detail}")
   return pvalue

@@ -1,10 +1,11 @@
-"""Strict JAX settings for the whole test process (set once, never flipped mid-run)."""
+"""Strict JAX settings for the whole test process (set once, before JAX starts, never flipped).
+
+The process runs on 8 CPU devices (``jax_num_cpu_devices``), so the sharded and
+vocab-parallel tests run in process beside the rest; single-device code uses device 0.
+"""
 
 import jax
 
+jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
-
-# The multi-device suite needs 8 host devices, which must be requested before JAX starts;
-# tests/test_sharding.py runs it in its own process with XLA_FLAGS set.
-collect_ignore = [] if jax.device_count() >= 8 else ["multidevice"]

@@ -640,8 +640,15 @@ TREE_CASES = (  # (V, parents of nodes 1.., dtype, law)
 
 
 def tree_reads(res, p, q, parents, tokens, uniforms, num_nodes, law, tol, max_depth):
-  """Whether what the walk read was invalid, following the path it reports."""
+  """Whether what the walk read was invalid, following the path it reports.
+
+  At each node on the path the walk reads the tested children's ids and their gathered
+  probabilities (``q`` only when the law uses it); the full rows of a node are read only where
+  a residual is formed (after a rejection there: ``p`` and ``q``) and at the last node, where
+  the final token is sampled (``p``; ``q`` too if a child was rejected there).
+  """
   size, vocab = p.shape
+  uses_q = law != "deterministic"
   real = min(max(num_nodes, 1), size)
   bad = real != num_nodes
   bad_parent = [0 < c < real and not 0 <= parents[c] < c for c in range(size)]
@@ -653,26 +660,34 @@ def tree_reads(res, p, q, parents, tokens, uniforms, num_nodes, law, tol, max_de
   visited = [0, *path[:depth]]
   tests = 0
   for d, node in enumerate(visited):
-    row_b, _ = row_bad(p[node], tol)
-    bad |= row_b
     children = [c for c in range(size) if is_node[c] and parents[c] == node]
     children = children if d < max_depth else []
     if d < depth:
       assert path[d] in children, (path, node, children)
       tested = children[: children.index(path[d]) + 1]
       assert 0 <= tokens[path[d]] < vocab  # an out-of-range id is never accepted
+      rejected = len(tested) > 1
     else:
       tested = children
-    if tested and law != "deterministic":
+      rejected = len(tested) > 0
+    for c in tested:
+      if not 0 <= tokens[c] < vocab:
+        bad = True
+        continue
+      bad |= value_bad(p[node, tokens[c]], tol)
+      if uses_q:
+        bad |= value_bad(q[node, tokens[c]], tol)
+    if rejected or d == depth:
+      bad |= row_bad(p[node], tol)[0]
+    if rejected and uses_q:
       bad |= row_bad(q[node], tol)[0]
-    bad |= any(not 0 <= tokens[c] < vocab for c in tested)
     tests += len(tested)
   assert int(res.num_uniforms) == tests + 1
   bad |= any(uniform_bad(u) for u in uniforms[: tests + 1])
   return bool(bad)
 
 
-@fuzz(40)
+@fuzz(400)
 @given(case=st.sampled_from(TREE_CASES), seed=SEEDS, p_kind=st.sampled_from(CORRUPTIONS),
        q_kind=st.sampled_from(CORRUPTIONS),
        tree_kind=st.sampled_from(["clean", "clean", "bad_token", "bad_parent", "num_nodes_low",

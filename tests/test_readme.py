@@ -1,4 +1,4 @@
-"""Every Python example in README.md runs (the mesh example runs in tests/multidevice)."""
+"""Every Python example in README.md runs (the mesh example: tests/test_readme_mesh.py)."""
 
 from tests._readme import python_blocks
 

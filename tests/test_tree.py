@@ -36,7 +36,8 @@ from tests._helpers import assert_same_distribution
 from tests._helpers import random_case
 
 ALPHA = 0.01
-NUM_TESTS = 2 * 3 * (1 + 4 + 16)  # cases x laws x (position 0, 1 | prefix, 2 | prefix)
+# (cases x laws + the per-node layout's 3 laws on one case) x (position 0, 1 | prefix, 2 | prefix)
+NUM_TESTS = (2 * 3 + 3) * (1 + 4 + 16)
 ALPHA_EACH = ALPHA / NUM_TESTS
 TRIALS = 100_000
 LAWS = ("iid", "without_replacement", "deterministic")
@@ -203,8 +204,12 @@ def test_enumeration_negative_control_topk_with_iid_rule_is_caught(name):
   assert conditional_error(law_of_outputs, CASES[name]) > 1e-3
 
 
-def walk(p, q, parents, tokens, law: str, rng) -> tuple[list[int], list[int], int]:
-  """The rule written out in float64 with uniforms from ``rng``: ``(tokens, path, draws)``."""
+def walk(p, q, parents, tokens, law: str, rng,
+         per_node=None) -> tuple[list[int], list[int], int]:
+  """The rule written out in float64 with uniforms from ``rng``: ``(tokens, path, draws)``.
+
+  ``per_node``: the engines' layout instead, child ``c``'s test reads ``per_node[c]`` and the
+  final sample ``per_node[0]``."""
   vocab = p.shape[1]
   node, out, path, draws = 0, [], [], 0
   while True:
@@ -217,7 +222,7 @@ def walk(p, q, parents, tokens, law: str, rng) -> tuple[list[int], list[int], in
         q_j = _normalize(q_left)
       else:
         q_j = q_left if law == "without_replacement" else q[node]
-      u, draws = rng.random(), draws + 1
+      u, draws = (rng.random() if per_node is None else per_node[c]), draws + 1
       if u < (np.inf if q_j[x] == 0 and r[x] > 0 else r[x] / q_j[x] if q_j[x] > 0 else 0.0):
         accepted = c
         break
@@ -226,28 +231,31 @@ def walk(p, q, parents, tokens, law: str, rng) -> tuple[list[int], list[int], in
       if law == "without_replacement":
         q_left[x], removed = 0.0, True
     if accepted is None:
-      return [*out, reference.sample(r / r.sum(), rng)], path, draws + 1
+      final = rng if per_node is None else UniformStream([per_node[0]])
+      return [*out, reference.sample(r / r.sum(), final)], path, draws + 1
     out.append(int(tokens[accepted]))
     path.append(accepted)
     node = accepted
 
 
+@pytest.mark.parametrize("layout", ["sequential", "per_node"])
 @pytest.mark.parametrize("law", LAWS)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_agrees_with_the_rule_written_out(name, law):
+def test_agrees_with_the_rule_written_out(name, law, layout):
   """Uniform for uniform, float64: each law's sibling distribution q_j, the residual update and
-  its normalisation, the fallback, the order in which uniforms are read."""
+  its normalisation, the fallback, the order in which uniforms are read (both layouts)."""
   case = CASES[name]
   rng = np.random.default_rng(11)
   trees = draw_trees(rng, case, 200, "iid")  # any tokens: duplicates, ids of q = 0, ...
   p, q = case.rows(trees)
   uniforms = rng.random((200, case.size))
   with jax.enable_x64(True):
-    run = jax.jit(functools.partial(tree_verify, law=law))
+    run = jax.jit(functools.partial(tree_verify, law=law, uniform_layout=layout))
     for b in range(200):
       r = run(p[b], q[b], case.parents, trees[b], uniforms[b])
+      per_node = uniforms[b] if layout == "per_node" else None
       want, path, draws = walk(p[b], q[b], case.parents, trees[b], law,
-                               UniformStream(uniforms[b]))
+                               UniformStream(uniforms[b]), per_node)
       assert np.asarray(r.tokens)[: int(r.num_tokens)].tolist() == want, b
       assert np.asarray(r.path)[: int(r.num_accepted)].tolist() == path, b
       assert int(r.num_uniforms) == draws, b
@@ -258,13 +266,17 @@ def test_agrees_with_the_rule_written_out(name, law):
 
 
 @functools.cache
-def _simulate(name: str, law: str, rule_law: str | None = None, seed: int = 0):
+def _simulate(name: str, law: str, rule_law: str | None = None, seed: int = 0,
+              layout: str = "sequential", share_final_with_child_1: bool = False):
   case = CASES[name]
   rng = np.random.default_rng(seed)
   tokens = draw_trees(rng, case, TRIALS, law)
   p, q = case.rows(tokens)
   uniforms = rng.random((TRIALS, case.size)).astype(np.float32)
-  run = jax.jit(jax.vmap(functools.partial(tree_verify, law=rule_law or law),
+  if share_final_with_child_1:  # the negative control: one coin read twice
+    uniforms[:, 0] = uniforms[:, 1]
+  run = jax.jit(jax.vmap(functools.partial(tree_verify, law=rule_law or law,
+                                           uniform_layout=layout),
                          in_axes=(0, 0, None, 0, 0)))
   result = run(jnp.asarray(p, jnp.float32), jnp.asarray(q, jnp.float32),
                jnp.asarray(case.parents), jnp.asarray(tokens), jnp.asarray(uniforms))
@@ -294,6 +306,25 @@ def test_chi_square_per_position(name, law):
   assert np.all((tokens[:, 0] >= 0) & (tokens[:, 0] < CASES[name].vocab))
   assert _per_prefix(tokens, num, CASES[name], f"{name} {law}") >= 2
   assert (num >= 2).mean() > 0.2  # the trees do get used
+
+
+@pytest.mark.parametrize("law", LAWS)
+def test_chi_square_per_position_with_one_uniform_per_node(law):
+  """The engines' layout: child c's test reads uniforms[c], the final sample uniforms[0]."""
+  result = _simulate("v3_k2_m2", law, layout="per_node", seed=1)
+  assert np.all(result.valid)
+  tokens, num = np.asarray(result.tokens), np.asarray(result.num_tokens)
+  assert _per_prefix(tokens, num, CASES["v3_k2_m2"], f"per-node {law}") >= 2
+
+
+def test_negative_control_a_coin_read_twice_fails_the_chi_square():
+  """Per node, but the final sample reuses child 1's coin: after rejecting child 1 the
+  replacement depends on why it was rejected, and the first token's law is off."""
+  result = _simulate("v3_k2_m2", "iid", layout="per_node", seed=1,
+                     share_final_with_child_1=True)
+  with pytest.raises(AssertionError, match="chi-square"):
+    _per_prefix(np.asarray(result.tokens), np.asarray(result.num_tokens), CASES["v3_k2_m2"],
+                "coin read twice")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -7,6 +7,10 @@ in the result's ``error`` (see :func:`~specdec_jax.decoding.common.make_common`)
 
 from __future__ import annotations
 
+import functools
+import types
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +149,53 @@ def check_eos(eos_id, name: str, vocab: int) -> jax.Array:
       f"{name}: `eos_id` must be a token id in [0, V) = [0, {vocab}) or None, got {eos_id!r}."
     )
   return jnp.clip(jnp.asarray(eos), -1, vocab).astype(jnp.int32)
+
+
+def _structure(fn) -> object:
+  """A hashable description of what ``fn`` computes, or ``fn`` itself when there is none.
+
+  Functions (lambdas included) are described by their code, defaults and the values they
+  close over; ``functools.partial`` objects by their function, arguments and keywords.
+  Anything unhashable (an array in a closure) falls back to the object's identity.
+  """
+  if isinstance(fn, functools.partial):
+    key = (functools.partial, _structure(fn.func), fn.args, tuple(sorted(fn.keywords.items())))
+  elif isinstance(fn, types.FunctionType):
+    cells = tuple(c.cell_contents for c in fn.__closure__ or ())
+    key = (fn.__code__, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())),
+           cells, id(fn.__globals__))
+  else:
+    return fn
+  try:
+    hash(key)
+  except TypeError:
+    return fn
+  return key
+
+
+class StaticFunction:
+  """A user function passed as a static argument of a jitted loop, compared by what it is.
+
+  ``jax.jit`` hashes static arguments; a lambda written at the call site is a new object on
+  every call, so hashing by identity would recompile the loop every time. This wrapper
+  compares functions by code, defaults and closed-over values instead (see
+  :func:`_structure`): the same lambda text with the same captured values reuses the compiled
+  loop, a different function or a different captured value compiles a new one. As with any
+  jitted code, a global variable the function reads is captured when the loop is traced.
+  """
+
+  def __init__(self, fn: Callable):
+    self.fn = fn
+    self.key = _structure(fn)
+
+  def __call__(self, *args, **kwargs):
+    return self.fn(*args, **kwargs)
+
+  def __hash__(self) -> int:
+    return hash(self.key)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, StaticFunction) and self.key == other.key
+
+  def __repr__(self) -> str:
+    return f"StaticFunction({self.fn!r})"

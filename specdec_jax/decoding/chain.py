@@ -14,6 +14,7 @@ from specdec_jax._block import block_verify
 from specdec_jax._logits import SamplingParams
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
+from specdec_jax.decoding.args import StaticFunction
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
@@ -163,10 +164,11 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
     eos_id: optional token id that ends a row (kept in the output).
     max_len: static buffer length, ``>= P``; default ``P + max_new_tokens``. The
       caches have ``max_len + gamma`` slots.
-    verifier: ``"token"`` (:func:`~specdec_jax.verify`) or a function with
-      :func:`~specdec_jax.verify`'s signature ``(p, q, draft, uniforms, *, num_draft)
-      -> VerifyResult`` for one sequence (static: pass the same object to reuse the
-      compiled loop).
+    verifier: ``"token"`` (:func:`~specdec_jax.verify`), ``"block"``
+      (:func:`~specdec_jax.block_verify`) or a function with :func:`~specdec_jax.verify`'s
+      signature ``(p, q, draft, uniforms, *, num_draft) -> VerifyResult`` for one sequence.
+      It is static; functions are compared by code and captured values, so a lambda written
+      at the call site reuses the compiled loop on the next call.
     pad_id: static int written after each row's last token.
 
   Returns:
@@ -225,6 +227,8 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
     verifier = VERIFIERS[verifier]
   elif not callable(verifier):
     raise TypeError(f"{name}: `verifier` must be a name or a function, got {verifier!r}.")
+  else:
+    verifier = StaticFunction(verifier)  # a lambda written at the call site compiles once
   if not isinstance(gamma, int | np.integer) or gamma < 1:
     raise ValueError(f"{name}: `gamma` must be an int >= 1, got {gamma!r} instead.")
   vocab = target_fns.vocab_size

@@ -16,6 +16,7 @@ from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import process_logits
 from specdec_jax._sampling import sample_index
 from specdec_jax._tree import tree_verify
+from specdec_jax.decoding.args import StaticFunction
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
@@ -343,7 +344,8 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
     tree_verifier: optional static function ``(p (N, V), q (N, V), parents (N,),
       tokens (N,), uniforms (N,), *, num_nodes) -> TreeVerifyResult`` for one tree, to use
       instead of :func:`~specdec_jax.tree_verify` with ``law`` (e.g. a negative control);
-      ``q[c]`` is the draft's processed distribution after node ``c``.
+      ``q[c]`` is the draft's processed distribution after node ``c``. Compared by code and
+      captured values, so a lambda written at the call site reuses the compiled loop.
     pad_id: static int written after each row's last token.
 
   Returns:
@@ -390,6 +392,8 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
     tree_verifier = default_tree_verifier(law, tree.depth)
   elif not callable(tree_verifier):
     raise TypeError(f"{name}: `tree_verifier` must be a function, got {tree_verifier!r}.")
+  else:
+    tree_verifier = StaticFunction(tree_verifier)  # a call-site lambda compiles once
   vocab = target_fns.vocab_size
   prompt, lengths, tokens_ok = check_prompt(prompt_tokens, prompt_lengths, name, vocab)
   batch, width = prompt.shape

@@ -28,7 +28,7 @@ from specdec_jax.decoding import speculative_generate
 from specdec_jax.decoding.drafts import lookup_row
 from specdec_jax.models import Model
 from specdec_jax.models.toy import make_toy_model
-from tests._helpers import chi_square_pvalue
+from specdec_jax.theory import chi_square_test
 from tests._helpers import exact_sequence_probs
 from tests._helpers import sequence_index
 
@@ -236,7 +236,7 @@ def test_sampled_sequences_follow_target(kind):
   assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
   assert (stats.row_target_calls > 2).any()
   counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  pvalue, detail = chi_square_pvalue(counts, probs)
+  _, _, pvalue, detail = chi_square_test(counts, probs)
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{kind}: chi-square p = {pvalue:.3g}; {detail}"
 
 
@@ -246,7 +246,7 @@ def test_wrong_q_is_detected(kind):
   probs = _exact_probs(kind)
   tokens, _ = _sample_sequences(kind, _WRONG[kind], seed=200 + len(kind))
   counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  pvalue, detail = chi_square_pvalue(counts, probs)
+  _, _, pvalue, detail = chi_square_test(counts, probs)
   assert pvalue < 1e-6, f"{kind}: the wrong q went undetected (p = {pvalue:.3g}); {detail}"
 
 
@@ -259,7 +259,7 @@ def test_plain_sampling_follows_target():
                  params=EXACT_PARAMS["plain"])
   tokens = np.asarray(out.tokens)[:, len(EXACT_PROMPT):]
   counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  pvalue, detail = chi_square_pvalue(counts, probs)
+  _, _, pvalue, detail = chi_square_test(counts, probs)
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"generate: chi-square p = {pvalue:.3g}; {detail}"
 
 
@@ -401,6 +401,24 @@ def test_no_retrace_on_second_call():
   generate(TARGET, PROMPTS[::-1].copy(), PROMPT_LENGTHS, jax.random.key(9),
            max_new_tokens=MAX_NEW, params=SamplingParams(0.3), eos_id=2)
   assert TRACES[0] == traced
+
+
+def test_a_lambda_verifier_written_at_the_call_site_compiles_once():
+  from specdec_jax.decoding.chain import speculative_loop
+
+  def run(pad):
+    return speculative_generate(
+      TARGET, NEAR, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), gamma=3, max_new_tokens=MAX_NEW,
+      verifier=lambda p, q, d, u, num_draft: verify(p, q, d, u, num_draft=num_draft,
+                                                    pad_id=pad))
+
+  first = run(-1)
+  size = speculative_loop._cache_size()
+  second = run(-1)  # a new lambda object, the same code and captured value: no recompilation
+  assert speculative_loop._cache_size() == size
+  np.testing.assert_array_equal(np.asarray(first.tokens), np.asarray(second.tokens))
+  run(-2)  # another captured value is another function: compiled anew
+  assert speculative_loop._cache_size() == size + 1
 
 
 def test_bad_arguments():

@@ -22,7 +22,7 @@ from specdec_jax.decoding import DraftTree
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import tree_speculative_generate
 from specdec_jax.models.toy import make_toy_model
-from tests._helpers import chi_square_pvalue
+from specdec_jax.theory import chi_square_test
 from tests._helpers import exact_sequence_probs
 from tests._helpers import sequence_index
 
@@ -191,7 +191,7 @@ def test_sampled_sequences_follow_target(law):
   stats = jax.tree.map(np.asarray, out.stats)
   # Rejections, acceptances at both depths, and acceptance of a non-first sibling all happen.
   assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
-  pvalue, detail = chi_square_pvalue(counts, probs)
+  _, _, pvalue, detail = chi_square_test(counts, probs)
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{law}: chi-square p = {pvalue:.3g}; {detail}"
 
 
@@ -205,7 +205,7 @@ def test_wrong_law_is_detected(law, rule_law):
   for any proposal chosen independently of the verification's uniforms, only less efficient.)
   """
   counts, _ = _sample(law, seed=500 + len(law), rule_law=rule_law)
-  pvalue, detail = chi_square_pvalue(counts, _exact_probs())
+  _, _, pvalue, detail = chi_square_test(counts, _exact_probs())
   assert pvalue < 1e-6, f"{law} drafted, {rule_law} rule: undetected (p = {pvalue:.3g}); {detail}"
 
 
