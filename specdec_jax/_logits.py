@@ -27,6 +27,8 @@ from specdec_jax._checks import is_concrete
 from specdec_jax._checks import public_jit
 from specdec_jax._errors import ErrorCode
 from specdec_jax._sampling import sample_index
+from specdec_jax._threshold import top_k_mask
+from specdec_jax._threshold import top_p_mask
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import compute_dtype
 from specdec_jax._verify import key_uniforms
@@ -41,7 +43,7 @@ class SamplingParams(NamedTuple):
       distribution is a point mass on ``argmax(logits)`` (ties to the lowest id,
       as ``jnp.argmax``). Default 1.
     top_k: int scalar ``>= 0`` or ``None``. Keep the ``top_k`` largest logits;
-      ``0`` disables at run time, ``None`` removes the step at trace time (no sort).
+      ``0`` disables at run time, ``None`` removes the step at trace time.
     top_p: float scalar in ``(0, 1]`` or ``None``. Keep the smallest prefix of the
       tokens sorted by probability whose mass reaches ``top_p``; ``1`` disables at
       run time, ``None`` at trace time.
@@ -162,21 +164,12 @@ def _process_row(logits: jax.Array, params: SamplingParams) -> jax.Array:
   dtype = z.dtype
   neg_inf = jnp.full_like(z, -jnp.inf)
 
-  if params.top_k is not None or params.top_p is not None:
-    # One stable sort by scaled logit, descending: ties go to the lower token id.
-    order = jnp.argsort(-z, stable=True)
-    rank = jnp.zeros(vocab, jnp.int32).at[order].set(jnp.arange(vocab, dtype=jnp.int32))
-    if params.top_k is not None:
-      k = jnp.asarray(params.top_k)
-      k = jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
-      z = jnp.where(rank < k, z, neg_inf)
-    if params.top_p is not None:
-      top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
-      sorted_probs = jax.nn.softmax(z[order])
-      mass_before = jnp.cumsum(sorted_probs) - sorted_probs
-      keep_sorted = (mass_before < top_p) | (jnp.arange(vocab) == 0)
-      keep = jnp.zeros(vocab, bool).at[order].set(keep_sorted)
-      z = jnp.where(keep | (top_p >= 1), z, neg_inf)
+  if params.top_k is not None:
+    z = jnp.where(top_k_mask(z, params.top_k), z, neg_inf)
+  if params.top_p is not None:
+    top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
+    keep = top_p_mask(z, jax.nn.softmax(z), top_p)
+    z = jnp.where(keep | (top_p >= 1), z, neg_inf)
 
   probs = jax.nn.softmax(z)
   one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)
@@ -189,11 +182,18 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
 
   1. ``temperature``: divide by it; ``0`` means greedy (point mass on the argmax).
   2. ``top_k``: keep the ``k`` largest logits. Ties at the boundary are broken
-     toward the lower token id (one stable sort), so exactly ``k`` survive.
-  3. ``top_p``: over the softmax of what survived, sorted by probability with the
+     toward the lower token id (as a stable sort would), so exactly ``k`` survive.
+  3. ``top_p``: over the softmax of what survived, ordered by probability with the
      same tie-breaking, keep each token whose preceding mass is ``< top_p`` (the
      first token always survives; the token that crosses ``top_p`` is kept).
   4. Softmax (log-sum-exp stabilised) over the survivors.
+
+  Nothing is sorted: top-k and top-p are threshold searches by bisection over the row
+  (:mod:`specdec_jax._threshold`, as in tpu-inference and FlashInfer), about 32 passes each
+  for float32. The top-p masses are summed by value level and token id rather than as a
+  cumulative sum in sorted order, so a token whose preceding mass is within rounding
+  (an ulp or so) of ``top_p`` may fall on the other side than with a sort; every other
+  token, and every top-k decision, is the same.
 
   bfloat16/float16 logits are processed in float32. Use the *same* function and
   parameters for the draft (its ``q``) and the target (its ``p``): exactness of
@@ -237,6 +237,14 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
   if logits.ndim == 1:
     return _process_row(logits, params)
   return jax.vmap(_process_row, in_axes=(0, None))(logits, params)
+
+
+def process_rows(logits: jax.Array, params: SamplingParams) -> jax.Array:
+  """``(R, V)`` logits to probabilities with per-row parameters (fields ``(R,)`` or None).
+
+  The traced body of :func:`process_logits` for packed rows (no checks: the caller's).
+  """
+  return jax.vmap(_process_row)(logits, params)
 
 
 class DraftSample(NamedTuple):

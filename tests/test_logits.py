@@ -1,5 +1,7 @@
 """Logits processing (temperature, top-k, top-p, greedy), the draft helper and verify_logits."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,12 +79,14 @@ def test_top_p_keeps_tokens_while_the_mass_before_them_is_below_top_p():
   assert np.asarray(probs).tolist() == [1.0, 0.0, 0.0, 0.0]  # masked ids, exact halves
 
 
-def test_none_skips_the_sort_at_trace_time():
+def test_none_skips_the_threshold_search_at_trace_time_and_nothing_sorts():
   logits = jnp.asarray(np.random.default_rng(1).normal(size=64), jnp.float32)
   text = str(jax.make_jaxpr(lambda x: process_logits(x, SamplingParams(0.7)))(logits))
-  assert "sort" not in text
-  text = str(jax.make_jaxpr(lambda x: process_logits(x, SamplingParams(0.7, top_k=5)))(logits))
-  assert "sort" in text
+  assert "while[" not in text and "scan[" not in text and re.search(r"(?<!\w)sort\[", text) is None
+  for params in (SamplingParams(0.7, top_k=5), SamplingParams(0.7, top_p=0.9)):
+    text = str(jax.make_jaxpr(lambda x, params=params: process_logits(x, params))(logits))
+    assert "while[" in text or "scan[" in text  # the bisection
+    assert re.search(r"(?<!\w)sort\[", text) is None
 
 
 def test_stable_for_large_logits_and_bfloat16_accumulates_in_float32():

@@ -1,0 +1,194 @@
+"""Sort-free top-k and top-p masks: threshold searches by bisection instead of a sort over ``V``.
+
+Serving engines select the top-k / top-p survivors without sorting the vocabulary: they
+search for the threshold value by bisection, each step one counting (or mass) pass over the
+row (tpu-inference ``layers/common/binary_search.py``; FlashInfer's top-k / top-p renorm
+kernels). This module does the same on one row ``(V,)``, with a fixed trip count so that every
+parameter may be traced (per-row values under ``jax.vmap``), and reproduces exactly the
+semantics of a stable sort by value, descending, ties toward the lower token id.
+
+The search runs over an order-preserving integer key of the float value (:func:`order_key`),
+so it ends on an actual value of the row after ``nbits`` steps (32 for float32) whatever the
+spread of the values; ties at the threshold are then split by token id (:func:`first_true`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_UNSIGNED = {4: jnp.uint32, 8: jnp.uint64}
+
+#: Entries per block in :func:`first_true`.
+BLOCK = 256
+
+#: Pivots per pass plus one, a power of two: ``WAYS = 16`` tests 15 pivots per pass and needs 8
+#: passes for float32 instead of 32. Plain bisection (2) is the fastest on CPU, where a pass is
+#: bound by compute, not by memory.
+WAYS = 2
+
+
+def order_key(z: jax.Array) -> jax.Array:
+  """An unsigned integer key with the order of the float values ``z``.
+
+  The sign-magnitude bit trick: a non-negative float gets its bits with the sign bit set, a
+  negative one its bits inverted, so ``z_i < z_j`` iff ``key_i < key_j``. ``-inf`` has the
+  smallest key of any non-NaN value and ``-0.0`` gets the key of ``+0.0`` (they compare equal,
+  as in ``jnp.sort``; so do subnormals where the backend flushes them to zero). NaN gets some
+  key (above ``+inf`` or below ``-inf``); callers overwrite such rows.
+
+  Args:
+    z: float32 or float64 array.
+
+  Returns:
+    ``uint32`` (``uint64`` for float64) array of the shape of ``z``.
+  """
+  unsigned = _UNSIGNED[jnp.dtype(z.dtype).itemsize]
+  nbits = 8 * jnp.dtype(z.dtype).itemsize
+  bits = lax.bitcast_convert_type(z, unsigned)
+  bits = jnp.where(z == 0, jnp.zeros_like(bits), bits)  # on the bits: XLA may elide it on floats
+  sign = jnp.asarray(1, unsigned) << (nbits - 1)
+  return jnp.where((bits & sign) != 0, ~bits, bits | sign)
+
+
+def _search(key: jax.Array, pred, aux0):
+  """The smallest ``t`` in ``[min(key), max(key)]`` with ``pred(t)`` true (``pred`` monotone).
+
+  ``pred(ts)`` takes a ``(ways - 1,)`` vector of pivots and returns ``(ok, aux)`` per pivot;
+  ``pred(max(key))`` must hold, and ``aux0`` is its ``aux``. Each pass tests ``ways - 1``
+  pivots at once and keeps the one segment where ``ok`` turns true, so the interval shrinks
+  ``ways``-fold per pass: a fixed ``ceil(nbits / log2(ways))`` passes reach a single key.
+  Returns ``(t, aux of t)``.
+  """
+  ways = WAYS
+  nbits = 8 * jnp.dtype(key.dtype).itemsize
+  passes = -(-nbits // (ways.bit_length() - 1))
+  j = jnp.arange(1, ways, dtype=key.dtype)
+
+  def step(_, carry):
+    lo, hi, aux = carry
+    size = (hi - lo) // ways + 1
+    ends = jnp.minimum(lo + j * size - 1, hi)  # segment ends, non-decreasing
+    ok, end_aux = pred(ends)
+    fails = jnp.sum(~ok, dtype=jnp.int32)  # ok is false...false true...true
+    last_fail = jnp.maximum(fails - 1, 0)
+    first_ok = jnp.minimum(fails, ways - 2)
+    new_lo = jnp.where(fails == 0, lo, ends[last_fail] + 1)
+    new_hi = jnp.where(fails == ways - 1, hi, ends[first_ok])
+    new_aux = jnp.where(fails == ways - 1, aux, end_aux[first_ok])
+    return new_lo, new_hi, new_aux
+
+  _, t, aux = lax.fori_loop(0, passes, step, (jnp.min(key), jnp.max(key), aux0))
+  return t, aux
+
+
+def first_true(mask: jax.Array, n) -> jax.Array:
+  """The first ``n`` true entries of ``mask`` by index, without a prefix sum over ``V``.
+
+  Counts per block of ``BLOCK`` entries, a prefix sum over the blocks, and one over the block
+  that holds the ``n``-th true entry; the mask is then cut at that entry's index.
+
+  Args:
+    mask: ``(V,)`` bool.
+    n: int scalar, may be traced; ``n <= 0`` keeps none, ``n >= sum(mask)`` all.
+
+  Returns:
+    ``(V,)`` bool: ``mask`` and fewer than ``n`` true entries before.
+  """
+  vocab = mask.shape[-1]
+  blocks = -(-vocab // BLOCK)
+  flags = jnp.pad(mask.astype(jnp.int32), (0, blocks * BLOCK - vocab)).reshape(blocks, BLOCK)
+  upto = jnp.cumsum(jnp.sum(flags, axis=1, dtype=jnp.int32), dtype=jnp.int32)  # to block ends
+  block = jnp.sum(upto < n, dtype=jnp.int32)  # the block of the n-th true entry
+  before = jnp.where(block > 0, upto[jnp.maximum(block - 1, 0)], 0)
+  inner = jnp.cumsum(lax.dynamic_index_in_dim(flags, jnp.minimum(block, blocks - 1), 0, False),
+                     dtype=jnp.int32)
+  cut = block * BLOCK + jnp.sum(inner < n - before, dtype=jnp.int32) + 1
+  cut = jnp.where(n <= 0, 0, jnp.where(block >= blocks, vocab, cut))
+  return mask & (jnp.arange(vocab, dtype=jnp.int32) < cut)
+
+
+def top_k_mask(z: jax.Array, k) -> jax.Array:
+  """The ``k`` largest entries of one row, ties at the boundary toward the lower index.
+
+  Exactly the first ``k`` positions of ``jnp.argsort(-z, stable=True)``, found by bisection
+  for the ``k``-th largest value ``t`` (about ``nbits`` counting passes, no sort): keep
+  ``z > t`` and, among ``z == t``, the first ``k - count(z > t)`` by index.
+
+  Args:
+    z: ``(V,)`` float32 or float64 values without NaN (``-inf`` allowed; a row with NaN gives
+      some mask, without error).
+    k: int scalar, may be traced. ``k <= 0`` or ``k >= V`` keeps every entry.
+
+  Returns:
+    ``(V,)`` bool mask with exactly ``min(k, V)`` (``V`` for ``k <= 0``) true entries.
+
+  Reference:
+    tpu-inference ``layers/common/binary_search.py`` (top-k by threshold bisection);
+    FlashInfer ``top_k_renorm_probs``.
+  """
+  vocab = z.shape[-1]
+  k = jnp.asarray(k)
+  k = jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
+  key = order_key(z)
+
+  def few_above(ts):  # the k-th largest key is the smallest t with count(key > t) < k
+    count = jnp.sum(key[None, :] > ts[:, None], axis=-1, dtype=jnp.int32)
+    return count < k, count
+
+  t, count = _search(key, few_above, jnp.int32(0))
+  return (key > t) | first_true(key == t, k - count)
+
+
+def top_p_mask(z: jax.Array, probs: jax.Array, top_p) -> jax.Array:
+  """Nucleus mask of one row: keep each entry whose preceding mass is ``< top_p``.
+
+  "Preceding" is in the order of ``jnp.argsort(-z, stable=True)`` (value descending, ties
+  toward the lower index) and the mass is that of ``probs``, which must be non-increasing in
+  ``z`` with equal values for equal ``z`` (e.g. ``softmax(z)``). Found without a sort: a
+  bisection for the smallest value ``t`` with ``mass(z > t) < top_p``; then ``z > t`` is
+  kept, ``z < t`` dropped, and the ``r``-th tie at ``t`` (by index) kept iff
+  ``mass(z > t) + r * p_t < top_p``. The first entry in that order is always kept (for
+  ``top_p > 0``).
+
+  Masses are summed in a different order than a sorted cumulative sum, so where a preceding
+  mass is within rounding of ``top_p`` the two may disagree on that one entry; elsewhere they
+  are equal.
+
+  Args:
+    z: ``(V,)`` float32 or float64 values without NaN (``-inf`` allowed).
+    probs: ``(V,)`` probabilities of ``z``, same dtype.
+    top_p: float scalar in ``(0, 1]``, may be traced (``>= 1`` is the caller's to treat as
+      "keep all": here it drops only entries after a mass of 1 is reached).
+
+  Returns:
+    ``(V,)`` bool mask.
+
+  Reference:
+    tpu-inference ``layers/common/binary_search.py`` (top-p by threshold bisection);
+    FlashInfer ``top_p_renorm_probs``.
+  """
+  vocab = z.shape[-1]
+  key = order_key(z)
+  zero = jnp.zeros((), probs.dtype)
+
+  def mass_above(ts):
+    mass = jnp.sum(jnp.where(key[None, :] > ts[:, None], probs[None, :], zero), axis=-1)
+    return mass < top_p, mass
+
+  t, mass = _search(key, mass_above, zero)
+  tied = key == t
+  p_t = jnp.max(jnp.where(tied, probs, zero))  # the one probability of the ties
+
+  def fits(r):  # the r-th tie (from 0) starts below top_p; false from some r on
+    return (mass + r.astype(probs.dtype) * p_t < top_p) & (r < vocab)
+
+  def halve(_, bounds):  # the first r in [0, vocab] that does not fit: a scalar bisection
+    lo, hi = bounds
+    mid = (lo + hi) // 2
+    out = ~fits(mid)
+    return jnp.where(out, lo, mid + 1), jnp.where(out, mid, hi)
+
+  _, count = lax.fori_loop(0, vocab.bit_length(), halve, (jnp.int32(0), jnp.int32(vocab)))
+  return (key > t) | first_true(tied, count)
