@@ -20,9 +20,14 @@ from specdec_jax._logits import process_logits
 from specdec_jax._logits import sample_draft
 from specdec_jax._logits import verify_logits
 from specdec_jax._logits import verify_logits_with_key
+from specdec_jax._packed import PackedVerifyResult
+from specdec_jax._packed import engine_params
+from specdec_jax._packed import flat_tokens
+from specdec_jax._packed import packed_verify
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
+from specdec_jax._sharding import vocab_parallel_packed_verify
 from specdec_jax._sharding import vocab_parallel_tree_verify
 from specdec_jax._sharding import vocab_parallel_verify
 from specdec_jax._tree import TreeVerifyResult
@@ -50,6 +55,7 @@ __all__ = (
   "ErrorCode",
   "GenerateResult",
   "Model",
+  "PackedVerifyResult",
   "PromptLookup",
   "SamplingParams",
   "SpeculativeResult",
@@ -60,7 +66,10 @@ __all__ = (
   "block_verify",
   "block_verify_with_key",
   "describe_error",
+  "engine_params",
+  "flat_tokens",
   "generate",
+  "packed_verify",
   "process_logits",
   "reference",
   "sample",
@@ -77,6 +86,7 @@ __all__ = (
   "verify_logits",
   "verify_logits_with_key",
   "verify_with_key",
+  "vocab_parallel_packed_verify",
   "vocab_parallel_tree_verify",
   "vocab_parallel_verify",
 )

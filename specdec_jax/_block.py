@@ -26,6 +26,8 @@ from specdec_jax._checks import INT
 from specdec_jax._checks import check_chain
 from specdec_jax._checks import check_scalar
 from specdec_jax._checks import public_jit
+from specdec_jax._errors import ErrorCode
+from specdec_jax._errors import flag
 from specdec_jax._errors import psum_if
 from specdec_jax._errors import stop_row_error
 from specdec_jax._sampling import BLOCK
@@ -42,8 +44,11 @@ from specdec_jax._stream import per_sequence
 from specdec_jax._verify import CHAIN_ARRAYS
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import assemble
+from specdec_jax._verify import chain_readers
 from specdec_jax._verify import compute_dtype
+from specdec_jax._verify import first_column
 from specdec_jax._verify import gather_draft_probs
+from specdec_jax._verify import id_in_range
 from specdec_jax._verify import key_uniforms
 from specdec_jax._verify import prepare
 
@@ -94,7 +99,7 @@ def _clean(masses):
 
 
 def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dtype, tol,
-                     axis_name=None, looped=True):
+                     axis_name=None, bonus_given=False, looped=True):
   """Per sequence: find ``tau`` (scan from ``limit`` down) and sample the final token.
 
   ``read_p(row, start, size)`` / ``read_q(...)`` return a ``(size,)`` slice of one row; ``vocab``
@@ -144,6 +149,8 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
   tau = jnp.where(keep_all, limit, tau)
 
   def bonus():
+    if bonus_given:  # the caller's bonus token is emitted: the row is not read
+      return masses, p_masses, z, jnp.zeros_like(err)
     row = read_p(limit, 0, vocab).astype(dtype)
     poisoned = jnp.where(row < 0, -jnp.inf, row)
     m = block_masses(poisoned, block)
@@ -178,39 +185,59 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
   return tau.astype(jnp.int32), token.astype(jnp.int32), err
 
 
-def _stop_rule(p, q, log_b, uniforms, limit, *, dtype, tol, axis_name=None):
+def _stop_rule(p, q, log_b, uniforms, limit, offsets, ids, *, dtype, tol, axis_name=None,
+               bonus_given=False):
   """:func:`_stop_and_sample` per sequence, streamed (:func:`~specdec_jax._stream.per_sequence`).
 
   Under ``jax.vmap`` a ``while_loop`` whose rows are picked by a batched index would gather
   whole rows for every lane on every iteration; the streaming rule runs each sequence's scan
-  on its own on XLA:CPU, so each sequence reads only the rows it needs.
+  on its own on XLA:CPU, so each sequence reads only the rows it needs. ``offsets`` are the
+  sequence's first rows in ``p`` and ``q`` (packed layouts); ``q=None`` means point-mass
+  drafts on ``ids``.
   """
-  gamma, vocab = q.shape[0], p.shape[-1]
+  gamma, vocab = ids.shape[0], p.shape[-1]
+  column = first_column(vocab, axis_name)
+  arrays = (p,) if q is None else (p, q)
 
-  def body(readers, log_b, uniforms, limit, *, looped):
-    return _stop_and_sample(readers[0], readers[1], log_b, uniforms, limit, gamma=gamma,
+  def body(readers, log_b, uniforms, limit, offsets, ids, column, *, looped):
+    read_p, read_q = chain_readers(readers, offsets[0], offsets[1],
+                                   ids if q is None else None, column, dtype)
+    return _stop_and_sample(read_p, read_q, log_b, uniforms, limit, gamma=gamma,
                             vocab=vocab, dtype=dtype, tol=tol, axis_name=axis_name,
-                            looped=looped)
+                            bonus_given=bonus_given, looped=looped)
 
-  return per_sequence(body, (p, q), log_b, uniforms, limit)
+  return per_sequence(body, arrays, log_b, uniforms, limit, offsets, ids, column)
 
 
 def block_verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
-                      axis_name: str | None = None) -> VerifyResult:
+                      axis_name: str | None = None, p_offset=0, q_offset=0,
+                      bonus_token=None) -> VerifyResult:
   """The block rule on one sequence: the body of :func:`block_verify`.
 
   With ``axis_name`` (inside ``shard_map``) ``p``/``q`` hold this device's ``V / n`` columns:
   the ``2 * gamma`` gathered scalars, three statistics per row read and the final sample's
-  partial masses and candidate cross devices, nothing of size ``V``.
+  partial masses and candidate cross devices, nothing of size ``V``. Packed rows
+  (``p_offset``, ``q_offset``), point-mass drafts (``q=None``) and a caller-given
+  ``bonus_token`` as in :func:`~specdec_jax._verify.verify_rows`.
   """
   prep = prepare(p, q, draft, uniforms, num_draft, vocab)
-  p_x, q_x = gather_draft_probs(p, q, prep, axis_name)
+  p_x, q_x = gather_draft_probs(p, q, prep, axis_name, p_offset=p_offset, q_offset=q_offset)
   # An out-of-range id is never kept: it counts as p(x) = 0 (flagged below).
   log_b = log_block_weights(jnp.where(prep.in_range, p_x, 0), q_x)
-  tau, token, row_err = _stop_rule(p, q, log_b, prep.uniforms, prep.limit, dtype=prep.dtype,
-                                   tol=prep.tol, axis_name=axis_name)
+  offsets = jnp.stack([jnp.asarray(p_offset, jnp.int32), jnp.asarray(q_offset, jnp.int32)])
+  given = bonus_token is not None
+  tau, token, row_err = _stop_rule(p, q, log_b, prep.uniforms, prep.limit, offsets,
+                                   prep.safe_draft, dtype=prep.dtype, tol=prep.tol,
+                                   axis_name=axis_name, bonus_given=given)
+  num_uniforms = prep.limit + 1
+  if given:  # every proposal kept: the caller's token, the last uniform unread
+    bonus_ok, safe_bonus = id_in_range(bonus_token, vocab)
+    use_bonus = tau == prep.limit
+    token = jnp.where(use_bonus, safe_bonus, token)
+    row_err = row_err | jnp.where(use_bonus, flag(~bonus_ok, ErrorCode.TOKEN_OUT_OF_RANGE), 0)
+    num_uniforms = prep.limit + (~use_bonus).astype(jnp.int32)
   # Every b_i up to b_n is computed, so every position < n was read.
-  return assemble(prep, p_x, q_x, num_accepted=tau, token=token, num_uniforms=prep.limit + 1,
+  return assemble(prep, p_x, q_x, num_accepted=tau, token=token, num_uniforms=num_uniforms,
                   tested=prep.positions < prep.limit, row_error=row_err, pad_id=pad_id)
 
 

@@ -81,14 +81,16 @@ def _in_range(field: str, v: np.ndarray) -> np.ndarray:
   return (v > 0) & (v <= 1)
 
 
-def check_params(params: SamplingParams, name: str, batch: int | None = None) -> None:
+def check_params(params: SamplingParams, name: str, batch: int | None = None, *,
+                 host_only: bool = False) -> None:
   """Host-side checks of :class:`SamplingParams`, shared by every entry point that takes them.
 
   Fields must be scalars (``batch=None``: one sequence; use ``jax.vmap`` for a batch) or,
   with ``batch = B``, scalars or ``(B,)`` arrays. ``top_k`` must be an integer and the
   temperature must be set. Concrete values (:func:`~specdec_jax._checks.is_concrete`) must
   be in range; traced ones are clipped where they are used and flagged by
-  :func:`params_error`.
+  :func:`params_error`. ``host_only``: JAX arrays are not read back (no device round trip; a
+  jitted entry point flags their values instead), only host values (NumPy, Python) are.
   """
   if not isinstance(params, SamplingParams):
     raise TypeError(
@@ -115,7 +117,7 @@ def check_params(params: SamplingParams, name: str, batch: int | None = None) ->
       expected = ("a scalar per sequence (use jax.vmap for a batch)" if batch is None else
                   f"a scalar or have shape (B,) = ({batch},)")
       raise ValueError(f"{name}: `params.{field}` must be {expected}, got shape {shape} instead.")
-    if is_concrete(value):
+    if is_concrete(value) and not (host_only and isinstance(value, jax.Array)):
       v = np.asarray(value, np.float64)
       if not np.all(_in_range(field, v)):
         shown = v.tolist() if v.ndim else float(v)

@@ -21,6 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 from specdec_jax._block import block_verify_rows
 from specdec_jax._checks import check_chain
+from specdec_jax._packed import PackedVerifyResult
+from specdec_jax._packed import check_packed
+from specdec_jax._packed import packed_rows
 from specdec_jax._tree import TreeVerifyResult
 from specdec_jax._tree import check_tree
 from specdec_jax._tree import tree_rows
@@ -226,5 +229,79 @@ def vocab_parallel_tree_verify(
     sharded = jax.shard_map(functools.partial(local, depth=depth), mesh=mesh, in_specs=specs,
                             out_specs=out_specs)
     return sharded(*args)
+
+  return fn
+
+
+def vocab_parallel_packed_verify(
+  mesh: Mesh,
+  vocab_axis: str,
+  *,
+  max_spec_len: int,
+  bonus_rows: bool = True,
+  rule: str = "token",
+  pad_id: int = -1,
+) -> Callable[..., PackedVerifyResult]:
+  """Build a jitted :func:`~specdec_jax.packed_verify` on vocab-split packed rows.
+
+  The packed target (and draft) probabilities hold ``V / n`` columns per device, as a
+  tensor-parallel LM head leaves them; every request reads its gathered scalars and stop
+  row in place, exactly as :func:`vocab_parallel_verify` does for padded rows, so per
+  request O(n) scalars cross devices and nothing of size ``V``. Probabilities only: process
+  logits first (top-k/top-p over a split row would need a reduction per bisection pass).
+
+  Args:
+    mesh, vocab_axis, pad_id: as in :func:`vocab_parallel_verify`.
+    max_spec_len, bonus_rows, rule: static, as in :func:`~specdec_jax.packed_verify`.
+
+  Returns:
+    ``fn(draft_token_ids, num_draft_tokens, target_probs, uniforms, draft_probs=None,
+    bonus_token_ids=None) -> PackedVerifyResult`` with the shapes of
+    :func:`~specdec_jax.packed_verify`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> fn = vocab_parallel_packed_verify(jax.make_mesh((1,), ("model",)), "model",
+    ...                                   max_spec_len=1)
+    >>> p = np.array([[0.0, 1.0], [1.0, 0.0]], np.float32)   # one request: a draft row, a bonus row
+    >>> fn(np.array([1]), np.array([1]), p, np.array([[0.5, 0.5]], np.float32)).tokens.tolist()
+    [[1, 0]]
+
+  Reference:
+    Shoeybi et al., "Megatron-LM", arXiv:1909.08053; the packed layouts of vLLM V1 and
+    vllm-project/tpu-inference.
+  """
+  name = "vocab_parallel_packed_verify"
+  shards = _check_mesh(name, mesh, vocab_axis, None)
+  if rule not in RULES:
+    raise ValueError(f"{name}: `rule` must be one of {sorted(RULES)}, got {rule!r} instead.")
+  rows, replicated = P(None, vocab_axis), P()
+  out_specs = PackedVerifyResult(*(replicated,) * 5)
+
+  @jax.jit
+  def fn(draft_token_ids, num_draft_tokens, target_probs, uniforms, draft_probs=None,
+         bonus_token_ids=None) -> PackedVerifyResult:
+    check_packed(name, draft_token_ids, num_draft_tokens, target_probs, draft_probs,
+                 bonus_token_ids, uniforms, max_spec_len, bonus_rows, "target_probs",
+                 "draft_probs")
+    if target_probs.shape[1] % shards:
+      raise ValueError(f"{name}: V = {target_probs.shape[1]} must be divisible by the {shards} "
+                       f"devices of mesh axis {vocab_axis!r}.")
+    named = {"draft_token_ids": draft_token_ids, "num_draft_tokens": num_draft_tokens,
+             "target": target_probs, "uniforms": uniforms}
+    if draft_probs is not None:
+      named["draft"] = draft_probs
+    if bonus_token_ids is not None:
+      named["bonus"] = bonus_token_ids
+    specs = {k: rows if k in ("target", "draft") else replicated for k in named}
+    named = {k: place(v, NamedSharding(mesh, specs[k])) for k, v in named.items()}
+
+    def local(named):
+      return packed_rows(named["draft_token_ids"], named["num_draft_tokens"], named["target"],
+                         named.get("draft"), named.get("bonus"), named["uniforms"], None,
+                         max_spec_len=max_spec_len, bonus_rows=bonus_rows, rule=rule,
+                         pad_id=pad_id, axis_name=vocab_axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs)(named)
 
   return fn

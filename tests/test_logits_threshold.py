@@ -15,38 +15,13 @@ import specdec_jax._threshold as threshold
 from specdec_jax import SamplingParams
 from specdec_jax import process_logits
 from specdec_jax._logits import _process_row
-from specdec_jax._logits import scaled_logits
 from specdec_jax._threshold import first_true
 from specdec_jax._threshold import order_key
 from specdec_jax._threshold import top_k_mask
 from specdec_jax._threshold import top_p_mask
+from specdec_jax.app.baselines import sorted_process_row
 
 TINY = float(np.finfo(np.float32).tiny)
-
-
-def sorted_process_row(logits, params):
-  """The implementation with one stable argsort per row that ``_process_row`` replaced."""
-  vocab = logits.shape[-1]
-  z, greedy, broken = scaled_logits(logits, params.temperature)
-  dtype = z.dtype
-  neg_inf = jnp.full_like(z, -jnp.inf)
-  if params.top_k is not None or params.top_p is not None:
-    order = jnp.argsort(-z, stable=True)
-    rank = jnp.zeros(vocab, jnp.int32).at[order].set(jnp.arange(vocab, dtype=jnp.int32))
-    if params.top_k is not None:
-      k = jnp.asarray(params.top_k)
-      k = jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
-      z = jnp.where(rank < k, z, neg_inf)
-    if params.top_p is not None:
-      top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
-      sorted_probs = jax.nn.softmax(z[order])
-      mass_before = jnp.cumsum(sorted_probs) - sorted_probs
-      keep_sorted = (mass_before < top_p) | (jnp.arange(vocab) == 0)
-      keep = jnp.zeros(vocab, bool).at[order].set(keep_sorted)
-      z = jnp.where(keep | (top_p >= 1), z, neg_inf)
-  probs = jax.nn.softmax(z)
-  one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)
-  return jnp.where(broken, jnp.nan, jnp.where(greedy, one_hot, probs))
 
 
 def batched(row_fn):

@@ -12,6 +12,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import scaled_logits
+
 PAD_ID = -1
 
 
@@ -78,3 +81,81 @@ def torch_speculative_sampling(p, q, draft, uniforms):
   return tokens, num_accepted
 
 
+
+
+def sorted_process_row(logits: jax.Array, params: SamplingParams) -> jax.Array:
+  """``process_logits`` on one row as it was before issue 13: one stable argsort per row.
+
+  The reference the sort-free threshold search is tested against (ties to the lower id via
+  the stable sort) and the ``sorted`` column of the packed benchmark.
+  """
+  vocab = logits.shape[-1]
+  z, greedy, broken = scaled_logits(logits, params.temperature)
+  dtype = z.dtype
+  neg_inf = jnp.full_like(z, -jnp.inf)
+  if params.top_k is not None or params.top_p is not None:
+    order = jnp.argsort(-z, stable=True)
+    rank = jnp.zeros(vocab, jnp.int32).at[order].set(jnp.arange(vocab, dtype=jnp.int32))
+    if params.top_k is not None:
+      k = jnp.asarray(params.top_k)
+      k = jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
+      z = jnp.where(rank < k, z, neg_inf)
+    if params.top_p is not None:
+      top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
+      sorted_probs = jax.nn.softmax(z[order])
+      mass_before = jnp.cumsum(sorted_probs) - sorted_probs
+      keep_sorted = (mass_before < top_p) | (jnp.arange(vocab) == 0)
+      keep = jnp.zeros(vocab, bool).at[order].set(keep_sorted)
+      z = jnp.where(keep | (top_p >= 1), z, neg_inf)
+  probs = jax.nn.softmax(z)
+  one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)
+  return jnp.where(broken, jnp.nan, jnp.where(greedy, one_hot, probs))
+
+
+def sorted_process_rows(logits: jax.Array, params: SamplingParams) -> jax.Array:
+  """:func:`sorted_process_row` over ``(R, V)`` rows with ``(R,)`` parameter fields."""
+  return jax.vmap(sorted_process_row)(logits, params)
+
+
+@jax.jit
+def eager_packed_sampler(p, q, ids, counts, key):
+  """A rejection sampler in the style of vllm-project/tpu-inference on packed rows (exact).
+
+  Inputs as :func:`specdec_jax.packed_verify` with interleaved target rows ``p [T + B, V]``,
+  draft rows ``q [T, V]``, ids ``[T]`` and ``counts [B]``. Like tpu-inference's
+  ``RejectionSampler``: the target rows of the drafts are gathered (``[T, V]``), each draft is
+  tested with its own uniform, a replacement is drawn for *every* draft row from
+  ``max(p - q, 0)`` (``p`` if empty) by an exponential race over ``[T, V]``, the bonus tokens by
+  one more race over the ``B`` bonus rows, and the first rejection per request picks the
+  output. Returns ``(tokens (B, max + 1), num_accepted (B,))`` with ``max = T``-bounded
+  ``counts``' static bound taken as ``q``'s rows per request at most ``T``.
+  """
+  total, batch = ids.shape[0], counts.shape[0]
+  starts = jnp.cumsum(counts) - counts
+  owner = jnp.repeat(jnp.arange(batch), counts, total_repeat_length=total)
+  position = jnp.arange(total) - starts[owner]
+  target = p[starts[owner] + owner + position]  # the gather of the draft rows: [T, V]
+  k_u, k_rec, k_bonus = jax.random.split(key, 3)
+  u = jax.random.uniform(k_u, (total,))
+  p_x = jnp.take_along_axis(target, ids[:, None], axis=1)[:, 0]
+  q_x = jnp.take_along_axis(q, ids[:, None], axis=1)[:, 0]
+  accepted = u * q_x < p_x
+  residual = jnp.maximum(target - q, 0)
+  residual = jnp.where(jnp.sum(residual, axis=1, keepdims=True) > 0, residual, target)
+  race = residual / jax.random.exponential(k_rec, residual.shape)
+  recovered = jnp.argmax(race, axis=1).astype(jnp.int32)
+  bonus_rows = p[starts + jnp.arange(batch) + counts]
+  bonus = jnp.argmax(bonus_rows / jax.random.exponential(k_bonus, bonus_rows.shape),
+                     axis=1).astype(jnp.int32)
+  first_reject = jax.ops.segment_min(jnp.where(accepted, total, position), owner,
+                                     num_segments=batch)
+  num_accepted = jnp.minimum(first_reject, counts)
+  slot = jnp.clip(starts + num_accepted, 0, max(total - 1, 0))
+  final = jnp.where(num_accepted < counts, recovered[slot], bonus)
+  width = 8
+  columns = jnp.arange(width)[None, :]
+  index = jnp.clip(starts[:, None] + columns, 0, max(total - 1, 0))
+  kept = ids[index] if total else jnp.zeros((batch, width), jnp.int32)
+  tokens = jnp.where(columns < num_accepted[:, None], kept,
+                     jnp.where(columns == num_accepted[:, None], final[:, None], PAD_ID))
+  return tokens, num_accepted

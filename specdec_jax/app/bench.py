@@ -47,6 +47,7 @@ import numpy as np
 import specdec_jax
 from specdec_jax import block_verify
 from specdec_jax import reference
+from specdec_jax.app import bench_packed
 from specdec_jax.app.baselines import eager_recovery_verify
 from specdec_jax.app.baselines import torch_speculative_sampling
 from specdec_jax.app.tables import format_table
@@ -514,6 +515,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--peak-gbps", type=float, default=4800.0,
                       help="device peak memory bandwidth for the GPU %% peak column (H200: 4800)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--no-packed", action="store_true",
+                      help="skip the packed section (python -m specdec_jax.app.bench_packed)")
   args = parser.parse_args(argv)
   if args.tiny:
     args.batch, args.gamma, args.vocab, args.repeats = [2], [2], [1000], 2
@@ -550,6 +553,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(main_table(results, methods, args))
   print()
   print(latency_table(args))
+  if not args.no_packed:
+    print()
+    packed_args = ["--tiny"] if args.tiny else []
+    print(bench_packed.run(bench_packed.parse_args(packed_args + (["--markdown"] if args.markdown
+                                                                   else []))))
   for warning in warnings:
     print(f"WARNING: {warning}")
   return 1 if warnings else 0
