@@ -24,6 +24,8 @@ from specdec_jax._packed import PackedVerifyResult
 from specdec_jax._packed import engine_params
 from specdec_jax._packed import flat_tokens
 from specdec_jax._packed import packed_verify
+from specdec_jax._packed_tree import PackedTreeResult
+from specdec_jax._packed_tree import packed_tree_verify
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
@@ -55,6 +57,7 @@ __all__ = (
   "ErrorCode",
   "GenerateResult",
   "Model",
+  "PackedTreeResult",
   "PackedVerifyResult",
   "PromptLookup",
   "SamplingParams",
@@ -69,6 +72,7 @@ __all__ = (
   "engine_params",
   "flat_tokens",
   "generate",
+  "packed_tree_verify",
   "packed_verify",
   "process_logits",
   "reference",

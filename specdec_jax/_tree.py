@@ -44,6 +44,7 @@ from specdec_jax._sampling import sharded_inverse_cdf
 from specdec_jax._stream import anchored
 from specdec_jax._stream import branch
 from specdec_jax._stream import per_sequence
+from specdec_jax._stream import shifted
 from specdec_jax._verify import clip_count
 from specdec_jax._verify import compute_dtype
 from specdec_jax._verify import id_in_range
@@ -52,7 +53,7 @@ from specdec_jax._verify import key_uniforms
 LAWS = ("iid", "without_replacement", "deterministic")
 
 #: Where the uniforms are read (static ``uniform_layout`` of :func:`tree_verify`).
-UNIFORM_LAYOUTS = ("sequential", "per_node")
+UNIFORM_LAYOUTS = ("sequential", "per_node", "per_parent")
 
 
 class TreeVerifyResult(NamedTuple):
@@ -149,6 +150,7 @@ class Walk(NamedTuple):
     removed_p: ``(N,)`` their target probabilities (the weights after a fallback to ``p``).
     removed_q: ``(N,)`` their draft probabilities (taken out of ``q`` without replacement).
     n_removed: how many tokens were rejected at this node.
+    coin: ``uniform_layout="per_parent"``: the node's coin, rescaled after each rejection.
     out: ``(L,)`` emitted tokens.
     path: ``(L,)`` accepted nodes.
     error: ``ErrorCode`` bits so far.
@@ -168,6 +170,7 @@ class Walk(NamedTuple):
   removed_p: jax.Array
   removed_q: jax.Array
   n_removed: jax.Array
+  coin: jax.Array
   out: jax.Array
   path: jax.Array
   error: jax.Array
@@ -198,9 +201,10 @@ class _Reader:
     return lax.psum(jnp.where(mine, value, jnp.zeros_like(value)), self.axis_name)
 
 
-def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, *, law: str,
-              max_depth: int, pad_id: int, layout: str, local_vocab: int, dtype, tol: float,
-              axis_name: str | None = None, looped: bool = True) -> TreeVerifyResult:
+def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, offset=0, *,
+              law: str, max_depth: int, pad_id: int, layout: str, local_vocab: int, dtype,
+              tol: float, axis_name: str | None = None,
+              looped: bool = True) -> TreeVerifyResult:
   """The walk of :func:`tree_verify` for one tree, reading ``p``/``q`` rows through ``readers``.
 
   The body of :func:`~specdec_jax._stream.per_sequence`: on XLA:CPU each tree of a batch runs
@@ -208,8 +212,8 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
   (for the residual's new mass) and once at the end (for the final sample). With
   ``axis_name`` the rows hold this device's ``V / n`` columns and only scalars cross devices.
   """
-  p_rows = _Reader(readers[0], local_vocab, axis_name)
-  q_rows = _Reader(readers[1], local_vocab, axis_name)
+  p_rows = _Reader(shifted(readers[0], offset), local_vocab, axis_name)
+  q_rows = _Reader(shifted(readers[-1], offset), local_vocab, axis_name)  # p again: no q
   size = parents.shape[0]
   length = max_depth + 1
   block = min(BLOCK, local_vocab)
@@ -248,7 +252,7 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
 
   def test_child(s: Walk, child) -> Walk:
     x, in_range = safe_tokens[child], token_in_range[child]
-    u = uniforms[child] if layout == "per_node" else uniforms[s.tests]
+    u = {"per_node": uniforms[child], "per_parent": s.coin}.get(layout, uniforms[s.tests])
     p_x = p_rows.entry(s.node, x).astype(dtype)
     q_x = q_rows.entry(s.node, x).astype(dtype) if uses_q else None
     known = (s.removed == x) & (index < s.n_removed)  # x was rejected here before
@@ -276,6 +280,7 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
         node=child + jnp.zeros_like(s.node), prev=child + jnp.zeros_like(s.prev),
         depth=s.depth + 1, tests=s.tests + 1, raw=jnp.ones_like(s.raw), c=jnp.zeros_like(s.c),
         z=jnp.ones_like(s.z), n_removed=jnp.zeros_like(s.n_removed),
+        coin=uniforms[child] + jnp.zeros_like(s.coin),
         out=s.out.at[s.depth].set(x), path=s.path.at[s.depth].set(child), error=error)
 
     def reject(_):
@@ -291,8 +296,15 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
         frozen_x = jnp.where(jnp.any(known), g_x, g_of(p_x, q_x, c))
       new = in_range & ~jnp.any(known) & (law != "iid")
       slot = new & (index == s.n_removed)
+      # Given this rejection the coin is uniform on [a, 1) (a: the acceptance probability):
+      # rescaled, it is a fresh uniform for the next sibling or the final sample.
+      a = jnp.where(q_j > 0, jnp.minimum(r_x / jnp.where(q_j > 0, q_j, one), one),
+                    jnp.where(r_x > 0, one, zero))
+      a = jnp.where(in_range & (a == a), a, zero)
+      coin = jnp.where(a < 1, (s.coin - a) / jnp.where(a < 1, 1 - a, one), s.coin)
+      coin = jnp.clip(coin, zero, jnp.asarray(1 - jnp.finfo(dtype).epsneg, dtype))
       t = s._replace(
-        prev=child + jnp.zeros_like(s.prev), tests=s.tests + 1, c=c,
+        prev=child + jnp.zeros_like(s.prev), tests=s.tests + 1, c=c, coin=coin,
         removed=jnp.where(slot, x, s.removed),
         frozen=jnp.where(slot, frozen_x, s.frozen), removed_p=jnp.where(slot, p_x, s.removed_p),
         removed_q=jnp.where(slot, q_x if uses_q else zero, s.removed_q),
@@ -306,7 +318,7 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
     return branch(looped, ok, lambda: accept(None), lambda: reject(None))
 
   def finish(s: Walk) -> Walk:
-    u = uniforms[0] if layout == "per_node" else uniforms[s.tests]
+    u = {"per_node": uniforms[0], "per_parent": s.coin}.get(layout, uniforms[s.tests])
     # While raw, the weights are p (the fallback's frozen weights are p too): q is not read.
     masses, _, _, row_err = branch(looped, s.raw, lambda: pass_over(s, zero, False),
                                    lambda: pass_over(s, s.c, uses_q))
@@ -339,8 +351,8 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
     node=jnp.int32(0), prev=jnp.int32(0), depth=jnp.int32(0), tests=jnp.int32(0),
     done=jnp.asarray(False), raw=jnp.asarray(True), c=zero, z=one, q_total=one, removed=none,
     frozen=empty_values, removed_p=empty_values, removed_q=empty_values, n_removed=jnp.int32(0),
-    out=jnp.full((length,), pad_id, jnp.int32), path=jnp.full((length,), -1, jnp.int32),
-    error=jnp.int32(0))
+    coin=uniforms[0], out=jnp.full((length,), pad_id, jnp.int32),
+    path=jnp.full((length,), -1, jnp.int32), error=jnp.int32(0))
   # Typed like what the body computes (inside shard_map: the same varying mesh axes).
   start = anchored(start, parents, safe_tokens, uniforms, is_node, p_rows.entry(0, 0),
                    q_rows.entry(0, 0))
@@ -404,9 +416,15 @@ def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "
   walk (:mod:`~specdec_jax._stream`), so those passes happen only where they are needed.
 
   ``uniform_layout="per_node"`` is the layout of engines that draw one coin per tree node
-  (EAGLE/sglang): the test of child ``c`` reads ``uniforms[c]`` and the final sample reads
-  ``uniforms[0]`` (the root has no test). Each uniform is read at most once either way, so
-  the output law is the same; only which number decides what differs.
+  (EAGLE): the test of child ``c`` reads ``uniforms[c]`` and the final sample reads
+  ``uniforms[0]`` (the root has no test). ``"per_parent"`` is sglang's: one coin per parent
+  node, ``uniforms[u]`` for all the tests among ``u``'s children. After a rejection whose
+  acceptance probability was ``a`` the coin is uniform on ``[a, 1)``, so it is rescaled to
+  ``(coin - a) / (1 - a)`` for the next sibling, and the final sample reads the last node's
+  coin (rescaled if its children were tested). Under ``"deterministic"`` that accepts the
+  ``j``-th child iff ``coin < p(c_1) + ... + p(c_j)``, sglang's target-only rule, coin for
+  coin. Each layout reads every number at most once as a fresh uniform, so the output law
+  is the same; only which number decides what differs.
 
   Args:
     p: ``(N, V)`` floating. ``p[u]``: the target's next-token law after the path to ``u``.
@@ -423,8 +441,9 @@ def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "
     max_depth: static int, the length of the output minus one (default ``N - 1``).
       Children deeper than ``max_depth`` are ignored (a truncated tree, still exact).
     uniform_layout: static, ``"sequential"`` (slot ``t`` is the ``t``-th test, then the
-      final sample) or ``"per_node"`` (slot ``c`` is child ``c``'s test, slot 0 the final
-      sample).
+      final sample), ``"per_node"`` (slot ``c`` is child ``c``'s test, slot 0 the final
+      sample) or ``"per_parent"`` (slot ``u`` for the tests among ``u``'s children, rescaled,
+      and the final sample at the last node).
 
   Returns:
     :class:`TreeVerifyResult` with ``tokens`` and ``path`` of shape ``(max_depth + 1,)``.
@@ -456,16 +475,19 @@ def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "
 
 def tree_rows(p, q, parents, tokens, uniforms, num_nodes, *, law: str, pad_id: int,
               max_depth: int, uniform_layout: str, vocab: int,
-              axis_name: str | None = None) -> TreeVerifyResult:
-  """The body of :func:`tree_verify` for one tree whose rows may be vocab-sharded.
+              axis_name: str | None = None, offset=0) -> TreeVerifyResult:
+  """The body of :func:`tree_verify` for one tree whose rows may be vocab-sharded or packed.
 
   With ``axis_name`` (inside ``shard_map``) ``p``/``q`` hold this device's ``(N, V / n)``
   columns; the walk is replicated and only scalars cross devices (gathered entries, row
-  sums, the sharded inverse CDF's partial masses and candidate).
+  sums, the sharded inverse CDF's partial masses and candidate). Packed trees: node ``u``'s
+  rows are ``p[offset + u]`` of an array shared by the batch; ``q=None`` (only under
+  ``"deterministic"``, which never reads it) passes no draft rows.
   """
-  size = p.shape[0]
-  tol = max(row_tolerance(p.dtype), row_tolerance(q.dtype))
-  dtype = compute_dtype(p.dtype, q.dtype)
+  size = parents.shape[0]
+  q_dtype = p.dtype if q is None else q.dtype
+  tol = max(row_tolerance(p.dtype), row_tolerance(q_dtype))
+  dtype = compute_dtype(p.dtype, q_dtype)
   index = jnp.arange(size, dtype=jnp.int32)
   real, bad_count = clip_count(num_nodes, 1, size)
   # Real non-root nodes need a parent in [0, own index); others are never reached (and flagged).
@@ -477,8 +499,9 @@ def tree_rows(p, q, parents, tokens, uniforms, num_nodes, *, law: str, pad_id: i
   walk = functools.partial(tree_walk, law=law, max_depth=max_depth, pad_id=pad_id,
                            layout=uniform_layout, local_vocab=p.shape[-1], dtype=dtype, tol=tol,
                            axis_name=axis_name)
-  result = per_sequence(walk, (p, q), parents, safe_tokens, token_in_range,
-                        uniforms.astype(dtype), is_node)
+  result = per_sequence(walk, (p,) if q is None else (p, q), parents, safe_tokens,
+                        token_in_range, uniforms.astype(dtype), is_node,
+                        jnp.asarray(offset, jnp.int32))
   error = (result.error | flag(bad_count, ErrorCode.BAD_NUM_DRAFT)
            | flag(jnp.any(bad_parent), ErrorCode.BAD_PARAMS))
   return result._replace(error=error, valid=error == 0)

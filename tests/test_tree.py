@@ -204,16 +204,19 @@ def test_enumeration_negative_control_topk_with_iid_rule_is_caught(name):
   assert conditional_error(law_of_outputs, CASES[name]) > 1e-3
 
 
-def walk(p, q, parents, tokens, law: str, rng,
-         per_node=None) -> tuple[list[int], list[int], int]:
+def walk(p, q, parents, tokens, law: str, rng, per_node=None,
+         per_parent=None) -> tuple[list[int], list[int], int]:
   """The rule written out in float64 with uniforms from ``rng``: ``(tokens, path, draws)``.
 
   ``per_node``: the engines' layout instead, child ``c``'s test reads ``per_node[c]`` and the
-  final sample ``per_node[0]``."""
+  final sample ``per_node[0]``. ``per_parent`` (sglang's): the tests among ``u``'s children
+  read ``per_parent[u]``, rescaled to ``(coin - a) / (1 - a)`` after a rejection of acceptance
+  probability ``a``, and the final sample reads the last node's coin."""
   vocab = p.shape[1]
   node, out, path, draws = 0, [], [], 0
   while True:
     r, q_left, removed, accepted = p[node].copy(), q[node].copy(), False, None
+    coin = None if per_parent is None else per_parent[node]
     for c in (c for c in range(node + 1, len(parents)) if parents[c] == node):
       x = int(tokens[c])
       if law == "deterministic":
@@ -222,23 +225,30 @@ def walk(p, q, parents, tokens, law: str, rng,
         q_j = _normalize(q_left)
       else:
         q_j = q_left if law == "without_replacement" else q[node]
-      u, draws = (rng.random() if per_node is None else per_node[c]), draws + 1
-      if u < (np.inf if q_j[x] == 0 and r[x] > 0 else r[x] / q_j[x] if q_j[x] > 0 else 0.0):
+      u = rng.random() if per_node is None and coin is None else (
+        coin if coin is not None else per_node[c])
+      draws += 1
+      ratio = np.inf if q_j[x] == 0 and r[x] > 0 else r[x] / q_j[x] if q_j[x] > 0 else 0.0
+      if u < ratio:
         accepted = c
         break
+      if coin is not None:
+        a = min(1.0, ratio)
+        coin = (coin - a) / (1 - a)
       w = np.maximum(r - q_j, 0)
       r = _normalize(w) if w.sum() > 0 else p[node]
       if law == "without_replacement":
         q_left[x], removed = 0.0, True
     if accepted is None:
-      final = rng if per_node is None else UniformStream([per_node[0]])
+      final = (UniformStream([coin]) if coin is not None else
+               rng if per_node is None else UniformStream([per_node[0]]))
       return [*out, reference.sample(r / r.sum(), final)], path, draws + 1
     out.append(int(tokens[accepted]))
     path.append(accepted)
     node = accepted
 
 
-@pytest.mark.parametrize("layout", ["sequential", "per_node"])
+@pytest.mark.parametrize("layout", ["sequential", "per_node", "per_parent"])
 @pytest.mark.parametrize("law", LAWS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_agrees_with_the_rule_written_out(name, law, layout):
@@ -254,8 +264,9 @@ def test_agrees_with_the_rule_written_out(name, law, layout):
     for b in range(200):
       r = run(p[b], q[b], case.parents, trees[b], uniforms[b])
       per_node = uniforms[b] if layout == "per_node" else None
+      per_parent = uniforms[b] if layout == "per_parent" else None
       want, path, draws = walk(p[b], q[b], case.parents, trees[b], law,
-                               UniformStream(uniforms[b]), per_node)
+                               UniformStream(uniforms[b]), per_node, per_parent)
       assert np.asarray(r.tokens)[: int(r.num_tokens)].tolist() == want, b
       assert np.asarray(r.path)[: int(r.num_accepted)].tolist() == path, b
       assert int(r.num_uniforms) == draws, b
@@ -267,7 +278,8 @@ def test_agrees_with_the_rule_written_out(name, law, layout):
 
 @functools.cache
 def _simulate(name: str, law: str, rule_law: str | None = None, seed: int = 0,
-              layout: str = "sequential", share_final_with_child_1: bool = False):
+              layout: str = "sequential", share_final_with_child_1: bool = False,
+              siblings_share_a_coin: bool = False):
   case = CASES[name]
   rng = np.random.default_rng(seed)
   tokens = draw_trees(rng, case, TRIALS, law)
@@ -275,6 +287,8 @@ def _simulate(name: str, law: str, rule_law: str | None = None, seed: int = 0,
   uniforms = rng.random((TRIALS, case.size)).astype(np.float32)
   if share_final_with_child_1:  # the negative control: one coin read twice
     uniforms[:, 0] = uniforms[:, 1]
+  if siblings_share_a_coin:  # per node, every child reads its parent's coin, not rescaled
+    uniforms[:, 1:] = uniforms[:, np.maximum(case.parents[1:], 0)]
   run = jax.jit(jax.vmap(functools.partial(tree_verify, law=rule_law or law,
                                            uniform_layout=layout),
                          in_axes=(0, 0, None, 0, 0)))
@@ -315,6 +329,25 @@ def test_chi_square_per_position_with_one_uniform_per_node(law):
   assert np.all(result.valid)
   tokens, num = np.asarray(result.tokens), np.asarray(result.num_tokens)
   assert _per_prefix(tokens, num, CASES["v3_k2_m2"], f"per-node {law}") >= 2
+
+
+@pytest.mark.parametrize("law", LAWS)
+def test_chi_square_per_position_with_one_coin_per_parent(law):
+  """sglang's layout: the tests among u's children read uniforms[u], rescaled after each
+  rejection; the final sample the last node's coin."""
+  result = _simulate("v3_k2_m2", law, layout="per_parent", seed=2)
+  assert np.all(result.valid)
+  tokens, num = np.asarray(result.tokens), np.asarray(result.num_tokens)
+  assert _per_prefix(tokens, num, CASES["v3_k2_m2"], f"per-parent {law}") >= 2
+
+
+def test_negative_control_siblings_reading_one_coin_unrescaled_fails_the_chi_square():
+  """One coin per parent read as is by every sibling (no rescaling after a rejection)."""
+  result = _simulate("v3_k2_m2", "deterministic", layout="per_node", seed=2,
+                     siblings_share_a_coin=True)
+  with pytest.raises(AssertionError, match="chi-square"):
+    _per_prefix(np.asarray(result.tokens), np.asarray(result.num_tokens), CASES["v3_k2_m2"],
+                "siblings share a coin")
 
 
 def test_negative_control_a_coin_read_twice_fails_the_chi_square():

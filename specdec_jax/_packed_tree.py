@@ -1,0 +1,232 @@
+"""Tree verification in the encoding EAGLE-style engines use (sgl-project/sglang-jax).
+
+sglang-jax keeps one draft tree of ``N`` nodes per request: ``candidates (B, N)`` (node 0 is
+the root, the last verified token), ``retrive_next_token (B, N)`` (each node's first child)
+and ``retrive_next_sibling (B, N)`` (its next sibling), ``-1`` for none, siblings in increasing
+node order; the target rows ``(B * N, V)`` (row ``b * N + u``: the law of node ``u``'s
+children); one coin per node ``(B, N)``. :func:`packed_tree_verify` takes those arrays as they
+are: the encoding is converted to parent indices inside the jitted call, each tree reads its
+rows in place (row offset ``b * N``), and the coins are read in sglang's layout
+(``uniform_layout="per_parent"`` of :func:`~specdec_jax.tree_verify`: one coin per parent,
+rescaled after each rejection), so its target-only rule's accept decisions are reproduced
+coin for coin.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specdec_jax._checks import FLOAT
+from specdec_jax._checks import INT
+from specdec_jax._checks import KEY
+from specdec_jax._checks import check_array
+from specdec_jax._checks import check_static_int
+from specdec_jax._checks import compute_dtype
+from specdec_jax._checks import host_array
+from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import check_params
+from specdec_jax._logits import params_error
+from specdec_jax._logits import process_rows
+from specdec_jax._packed import engine_params
+from specdec_jax._tree import LAWS
+from specdec_jax._tree import UNIFORM_LAYOUTS
+from specdec_jax._tree import tree_rows
+
+
+class PackedTreeResult(NamedTuple):
+  """What :func:`packed_tree_verify` produced for ``B`` trees.
+
+  Attributes:
+    tokens: int32 ``(B, max_depth + 1)``: the accepted path's tokens, then the final token
+      (replacement or bonus), then ``pad_id``.
+    accept_index: int32 ``(B, max_depth + 1)``: sglang's ``accept_index``, the flat rows
+      ``b * N + u`` of the root and then of the accepted nodes, ``-1`` after.
+    num_accepted: int32 ``(B,)`` accepted draft tokens (sglang's ``accept_length``).
+    num_tokens: int32 ``(B,)`` new tokens, ``num_accepted + 1``.
+    valid: bool ``(B,)``.
+    error: int32 ``(B,)`` :class:`~specdec_jax.ErrorCode` bits.
+  """
+
+  tokens: jax.Array
+  accept_index: jax.Array
+  num_accepted: jax.Array
+  num_tokens: jax.Array
+  valid: jax.Array
+  error: jax.Array
+
+
+def parents_from_links(first_child: jax.Array, next_sibling: jax.Array) -> jax.Array:
+  """Parent indices ``(N,)`` of a tree given as first-child / next-sibling links (-1: none).
+
+  The root (node 0) and nodes no link reaches get ``-1``. Traced-safe: links outside
+  ``[0, N)`` are ignored (the node they would reach is then unreachable, and
+  :func:`~specdec_jax.tree_verify` flags a real node without a valid parent).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> parents_from_links(jnp.array([1, 3, -1, -1]), jnp.array([-1, 2, -1, -1])).tolist()
+    [-1, 0, 0, 1]
+  """
+  size = first_child.shape[0]
+  nodes = jnp.arange(size, dtype=jnp.int32)
+
+  def valid(link):
+    return (link >= 0) & (link < size)
+
+  parent = jnp.full((size,), -1, jnp.int32).at[jnp.where(valid(first_child), first_child, size)]
+  parent = parent.set(nodes, mode="drop")
+  previous = jnp.full((size,), -1, jnp.int32).at[jnp.where(valid(next_sibling), next_sibling,
+                                                           size)].set(nodes, mode="drop")
+
+  def follow(_, parent):  # a sibling has its previous sibling's parent
+    inherited = jnp.where(previous >= 0, parent[jnp.maximum(previous, 0)], -1)
+    return jnp.where(parent >= 0, parent, inherited)
+
+  return lax.fori_loop(0, size, follow, parent).at[0].set(-1)
+
+
+TREE_PACKED_ARRAYS = {"candidates": INT, "retrive_next_token": INT,
+                      "retrive_next_sibling": INT, "target_probs": FLOAT, "target_logits": FLOAT,
+                      "draft_probs": FLOAT, "coins": FLOAT, "key": KEY}
+
+
+def packed_tree_verify(candidates, retrive_next_token, retrive_next_sibling, *,
+                       max_depth: int, target_probs=None, target_logits=None,
+                       draft_probs=None, params: SamplingParams | None = None,
+                       law: str = "deterministic", coins=None, key=None,
+                       uniform_layout: str = "per_parent", convention: str = "specdec",
+                       pad_id: int = -1) -> PackedTreeResult:
+  """Exact tree verification of ``B`` draft trees in sglang-jax's encoding (jitted).
+
+  Each tree is verified by :func:`~specdec_jax.tree_verify` (recursive rejection sampling)
+  with ``parents`` derived from the links, ``tokens = candidates[b]`` and the rows
+  ``target[b * N : (b + 1) * N]`` read in place. With ``law="deterministic"`` (EAGLE-2
+  top-k drafts, sglang's target-only verification) no draft probabilities are needed:
+  greedy and sampled requests go through the same call (from logits, greedy rows are point
+  masses on the argmax). ``"iid"`` / ``"without_replacement"`` read ``draft_probs``.
+
+  Args:
+    candidates: ``(B, N)`` int token ids, node 0 the root (ignored).
+    retrive_next_token: ``(B, N)`` int first child of each node, ``-1`` for none.
+    retrive_next_sibling: ``(B, N)`` int next sibling, ``-1`` for none; a child's index must
+      exceed its parent's and siblings are tested in increasing index order.
+    max_depth: static int ``>= 0``, accepted tokens at most (sglang's ``num_spec_steps - 1``
+      draft levels); the output has ``max_depth + 1`` columns.
+    target_probs: ``(B * N, V)`` processed target rows, row ``b * N + u`` for node ``u``, or
+    target_logits: the same as logits, processed with ``params``.
+    draft_probs: ``(B * N, V)`` draft laws for ``"iid"`` / ``"without_replacement"``.
+    params: :class:`SamplingParams` with scalar or ``(B,)`` fields (``target_logits`` only).
+    law: static, one of ``"deterministic"`` (default), ``"iid"``, ``"without_replacement"``.
+    coins: ``(B, N)`` uniforms, read as ``uniform_layout`` says, or
+    key: one ``jax.random`` key (``coins = uniform(key, (B, N))``).
+    uniform_layout: static, ``"per_parent"`` (sglang, default), ``"per_node"`` or
+      ``"sequential"`` (see :func:`~specdec_jax.tree_verify`).
+    convention: static, how ``params`` writes greedy / disabled (:func:`engine_params`).
+    pad_id: static int for unused token slots.
+
+  Returns:
+    :class:`PackedTreeResult`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> p = jnp.array([[0.1, 0.6, 0.3], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    >>> r = packed_tree_verify(jnp.array([[0, 2, 1]]), jnp.array([[1, -1, -1]]),
+    ...                        jnp.array([[-1, 2, -1]]), max_depth=1, target_probs=p,
+    ...                        coins=jnp.array([[0.5, 0.0, 0.9]]))
+    >>> # Root coin 0.5: child 1 (token 2, p = 0.3) rejected, the coin rescaled to 0.2/0.7 <
+    >>> # r(1) = 0.6/0.7 accepts child 2 (token 1); node 2 is a leaf: bonus from its row.
+    >>> r.tokens.tolist(), r.accept_index.tolist()
+    ([[1, 2]], [[0, 2]])
+
+  Reference:
+    Miao et al., "SpecInfer", arXiv:2305.09781; Li et al., "EAGLE-2", arXiv:2406.16858;
+    sgl-project/sglang-jax ``speculative/eagle_util.py`` (the encoding and the coins).
+  """
+  name = "packed_tree_verify"
+  args = dict(candidates=candidates, retrive_next_token=retrive_next_token,
+              retrive_next_sibling=retrive_next_sibling, target_probs=target_probs,
+              target_logits=target_logits, draft_probs=draft_probs, coins=coins, key=key)
+  args = {k: host_array(name, k, v, TREE_PACKED_ARRAYS[k]) for k, v in args.items()}
+  max_depth = check_static_int(name, "max_depth", max_depth, 0)
+  if (args["target_probs"] is None) == (args["target_logits"] is None):
+    raise ValueError(f"{name}: pass exactly one of `target_probs` and `target_logits`.")
+  if (coins is None) == (key is None):
+    raise ValueError(f"{name}: pass exactly one of `coins` and `key`.")
+  if law not in LAWS:
+    raise ValueError(f"{name}: `law` must be one of {LAWS}, got {law!r} instead.")
+  if uniform_layout not in UNIFORM_LAYOUTS:
+    raise ValueError(f"{name}: `uniform_layout` must be one of {UNIFORM_LAYOUTS}, got "
+                     f"{uniform_layout!r} instead.")
+  if (law == "deterministic") != (args["draft_probs"] is None):
+    raise ValueError(f"{name}: `draft_probs` is read under law 'iid' and "
+                     f"'without_replacement' and only there; got law={law!r} and draft_probs "
+                     f"{'None' if args['draft_probs'] is None else 'given'}.")
+  if params is not None and args["target_logits"] is None:
+    raise ValueError(f"{name}: `params` apply to logits; pass `target_logits`.")
+  for arg in ("candidates", "retrive_next_token", "retrive_next_sibling"):
+    check_array(name, arg, args[arg], 2, INT, batch_hint=False)
+  shape = args["candidates"].shape
+  for arg in ("retrive_next_token", "retrive_next_sibling"):
+    if args[arg].shape != shape:
+      raise ValueError(f"{name}: `{arg}` must have the shape of `candidates` {shape}, got "
+                       f"{args[arg].shape} instead.")
+  if params is not None:
+    params = engine_params(params, convention)
+    check_params(params, name, batch=shape[0], host_only=True)
+  elif args["target_logits"] is not None:
+    params = SamplingParams()
+  return _tree_jit(**args, params=params, max_depth=max_depth, law=law,
+                   uniform_layout=uniform_layout, pad_id=pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=("max_depth", "law", "uniform_layout", "pad_id"))
+def _tree_jit(candidates, retrive_next_token, retrive_next_sibling, target_probs, target_logits,
+              draft_probs, coins, key, params, *, max_depth, law, uniform_layout, pad_id):
+  name = "packed_tree_verify"
+  batch, size = candidates.shape
+  target = target_probs if target_logits is None else target_logits
+  check_array(name, "target_logits" if target_probs is None else "target_probs", target, 2,
+              FLOAT, batch_hint=False)
+  if target.shape[0] != batch * size:
+    raise ValueError(f"{name}: the target rows must have shape (B * N, V) = ({batch * size}, V), "
+                     f"got {tuple(target.shape)} instead.")
+  if draft_probs is not None and draft_probs.shape != target.shape:
+    raise ValueError(f"{name}: `draft_probs` must have the shape of the target rows "
+                     f"{tuple(target.shape)}, got {tuple(draft_probs.shape)} instead.")
+  vocab = target.shape[1]
+  error = jnp.zeros((batch,), jnp.int32)
+  if params is not None:
+    owners = jnp.arange(batch * size, dtype=jnp.int32) // size
+    rows = SamplingParams(*(None if v is None else (
+      jnp.broadcast_to(jnp.asarray(v), (batch,))[owners]) for v in params))
+    target = process_rows(target, rows)
+    error = error | jnp.broadcast_to(params_error(params), (batch,))
+  if coins is None:
+    dtypes = [target.dtype] + ([] if draft_probs is None else [draft_probs.dtype])
+    coins = jax.random.uniform(key, (batch, size), dtype=compute_dtype(*dtypes))
+  elif coins.shape != (batch, size):
+    raise ValueError(f"{name}: `coins` must have shape (B, N) = ({batch}, {size}), got "
+                     f"{tuple(coins.shape)} instead.")
+  parents = jax.vmap(parents_from_links)(retrive_next_token, retrive_next_sibling)
+
+  def one(parents, tokens, uniforms, offset):
+    return tree_rows(target, draft_probs, parents, tokens, uniforms, None, law=law,
+                     pad_id=pad_id, max_depth=max_depth, uniform_layout=uniform_layout,
+                     vocab=vocab, offset=offset)
+
+  offsets = jnp.arange(batch, dtype=jnp.int32) * size
+  result = jax.vmap(one)(parents, candidates, coins, offsets)
+  accepted_rows = jnp.where(result.path >= 0, offsets[:, None] + result.path, -1)
+  accept_index = jnp.concatenate([offsets[:, None], accepted_rows[:, :-1]], axis=1)
+  error = result.error | error
+  return PackedTreeResult(tokens=result.tokens, accept_index=accept_index,
+                          num_accepted=result.num_accepted, num_tokens=result.num_tokens,
+                          valid=error == 0, error=error)
+
+
+__all__ = ["PackedTreeResult", "packed_tree_verify", "parents_from_links"]

@@ -1,0 +1,209 @@
+"""Tree verification in sglang-jax's encoding (:func:`packed_tree_verify`).
+
+* The first-child / next-sibling links convert to the parents they encode (random trees).
+* Token for token equal to ``jax.vmap(tree_verify)`` on per-tree arrays (every law and uniform
+  layout, probabilities and logits with per-request parameters, greedy rows mixed in).
+* Coin for coin, the accept decisions equal a NumPy port of sglang's target-only rule
+  (``tree_speculative_sampling_target_only``: one coin per parent against cumulative target mass).
+* Chi-square per position on 60,000 packed trees, family-wise ``ALPHA = 0.01`` (Bonferroni over
+  this module's tests), with a negative control that must fail.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from specdec_jax import SamplingParams
+from specdec_jax import packed_tree_verify
+from specdec_jax import process_logits
+from specdec_jax import tree_verify
+from specdec_jax._packed_tree import parents_from_links
+from tests._helpers import per_position
+
+ALPHA = 0.01
+NUM_TESTS = 8
+ALPHA_EACH = ALPHA / NUM_TESTS
+
+
+def random_parents(rng, size):
+  return np.array([-1] + [int(rng.integers(0, c)) for c in range(1, size)])
+
+
+def links(parents):
+  """sglang's encoding of ``parents``: first child and next sibling, siblings ascending."""
+  size = len(parents)
+  first, sibling = np.full(size, -1), np.full(size, -1)
+  for c in range(size - 1, 0, -1):  # as sglang builds it: push each node to the front
+    sibling[c] = first[parents[c]]
+    first[parents[c]] = c
+  return first, sibling
+
+
+def test_links_convert_to_the_parents_they_encode():
+  convert = jax.jit(parents_from_links)
+  rng = np.random.default_rng(0)
+  for size in (1, 2, 5, 9, 17):
+    for _ in range(20):
+      parents = random_parents(rng, size)
+      first, sibling = links(parents)
+      np.testing.assert_array_equal(np.asarray(convert(first, sibling)), parents)
+
+
+def _trees(seed, batch=8, size=7, vocab=12):
+  rng = np.random.default_rng(seed)
+  parents = np.stack([random_parents(rng, size) for _ in range(batch)])
+  encoded = [links(p) for p in parents]
+  first = np.stack([e[0] for e in encoded]).astype(np.int32)
+  sibling = np.stack([e[1] for e in encoded]).astype(np.int32)
+  tokens = rng.integers(0, vocab, (batch, size)).astype(np.int32)
+  p = rng.dirichlet(np.full(vocab, 0.5), (batch, size)).astype(np.float32)
+  q = rng.dirichlet(np.full(vocab, 0.5), (batch, size)).astype(np.float32)
+  coins = rng.random((batch, size)).astype(np.float32)
+  return rng, parents, first, sibling, tokens, p, q, coins
+
+
+@pytest.mark.parametrize("layout", ["per_parent", "per_node", "sequential"])
+@pytest.mark.parametrize("law", ["deterministic", "iid", "without_replacement"])
+def test_equals_vmapped_tree_verify(law, layout):
+  for seed in range(3):
+    _, parents, first, sibling, tokens, p, q, coins = _trees(seed)
+    batch, size, vocab = p.shape
+    want = jax.vmap(lambda p, q, par, t, u: tree_verify(p, q, par, t, u, law=law, max_depth=3,
+                                                        uniform_layout=layout))(
+      p, q, parents, tokens, coins)
+    got = packed_tree_verify(tokens, first, sibling, max_depth=3, law=law,
+                             target_probs=p.reshape(-1, vocab), uniform_layout=layout,
+                             draft_probs=None if law == "deterministic" else q.reshape(-1, vocab),
+                             coins=coins)
+    for field in ("tokens", "num_accepted", "valid", "error"):
+      np.testing.assert_array_equal(np.asarray(getattr(got, field)),
+                                    np.asarray(getattr(want, field)), err_msg=field)
+    rows = np.where(np.asarray(want.path) >= 0,
+                    np.arange(batch)[:, None] * size + np.asarray(want.path), -1)
+    np.testing.assert_array_equal(np.asarray(got.accept_index)[:, 1:], rows[:, :-1])
+    np.testing.assert_array_equal(np.asarray(got.accept_index)[:, 0], np.arange(batch) * size)
+
+
+def test_logits_with_per_request_params_and_greedy_rows():
+  rng, parents, first, sibling, tokens, _, _, coins = _trees(4)
+  batch, size = tokens.shape
+  logits = (rng.normal(size=(batch, size, 12)) * 2).astype(np.float32)
+  params = SamplingParams(np.array([0, 0.7, 1, 0, 1.3, 0.5, 0, 1], np.float32),
+                          np.array([0, 5, 0, 3, 2, 0, 0, 8], np.int32),
+                          np.array([1, 0.9, 0.6, 1, 1, 0.8, 1, 1], np.float32))
+  probs = np.asarray(jax.vmap(lambda x, t, k, p: process_logits(x, SamplingParams(t, k, p)))(
+    logits, *params))
+  want = jax.vmap(lambda p, par, t, u: tree_verify(p, p, par, t, u, law="deterministic",
+                                                   uniform_layout="per_parent"))(
+    probs, parents, tokens, coins)
+  got = packed_tree_verify(tokens, first, sibling, max_depth=size - 1,
+                           target_logits=logits.reshape(-1, 12), params=params, coins=coins)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  assert np.asarray(got.valid).all()
+
+
+def sglang_target_only(candidates, first, sibling, target, coins, depth):
+  """NumPy port of sglang-jax's ``tree_speculative_sampling_target_only`` accept decisions
+  (``threshold_single = threshold_acc = 1``): at each node, one coin; sibling ``i`` is accepted
+  when the coin is at most the cumulative target mass of the siblings tested so far.
+  Returns ``(accepted node indices, their tokens)`` of one tree."""
+  node, path = 0, []
+  for _ in range(depth):
+    coin, mass, child, accepted = coins[node], 0.0, first[node], None
+    while child != -1:
+      mass += target[node, candidates[child]]
+      if coin <= mass:
+        accepted = child
+        break
+      child = sibling[child]
+    if accepted is None:
+      break
+    path.append(accepted)
+    node = accepted
+  return path, [int(candidates[c]) for c in path]
+
+
+def test_accept_decisions_equal_sglang_target_only_coin_for_coin():
+  agree = 0
+  for seed in range(5):
+    _, parents, first, sibling, tokens, p, _, coins = _trees(seed + 10, batch=16, size=9)
+    for b in range(len(tokens)):  # distinct sibling tokens: sglang would double-count repeats
+      for u in range(9):
+        kids = np.flatnonzero(parents[b] == u)
+        tokens[b, kids] = np.arange(len(kids)) + 3 * (u % 3)
+    got = packed_tree_verify(tokens, first, sibling, max_depth=4,
+                             target_probs=p.reshape(-1, p.shape[-1]), coins=coins)
+    for b in range(len(tokens)):
+      path, emitted = sglang_target_only(tokens[b], first[b], sibling[b], p[b], coins[b], 4)
+      k = int(got.num_accepted[b])
+      assert k == len(path), (seed, b)
+      assert np.asarray(got.tokens[b, :k]).tolist() == emitted
+      assert (np.asarray(got.accept_index[b, 1:k + 1]) - b * 9).tolist() == path
+      agree += 1
+  assert agree == 80
+
+
+# --- exactness -------------------------------------------------------------------------------
+
+TRIALS = 60_000
+ROWS = np.array([[0.4, 0.3, 0.2, 0.1, 0.0], [0.1, 0.2, 0.3, 0.2, 0.2],
+                 [0.25, 0.25, 0.25, 0.15, 0.1]])  # the target's law at depth 0, 1, 2
+Q = np.array([0.2, 0.2, 0.2, 0.2, 0.2])
+PARENTS = np.array([-1, 0, 0, 1, 1, 2, 2])  # two children per node, depth 2
+DEPTH = np.array([0, 1, 1, 2, 2, 2, 2])
+
+
+def _simulate(law: str, drafted: str, seed: int = 0):
+  """Packed trees whose target rows depend on the depth only; children drafted by ``drafted``."""
+  rng = np.random.default_rng(seed)
+  first, sibling = links(PARENTS)
+  size = len(PARENTS)
+  tokens = np.zeros((TRIALS, size), np.int32)
+  for u in (0, 1, 2):
+    kids = np.flatnonzero(PARENTS == u)
+    if drafted == "iid":
+      tokens[:, kids] = rng.choice(5, (TRIALS, len(kids)), p=Q)
+    else:  # top-2 of the row: distinct, deterministic
+      tokens[:, kids] = np.argsort(-ROWS[DEPTH[u]], kind="stable")[: len(kids)]
+  p = np.broadcast_to(ROWS[DEPTH], (TRIALS, size, 5)).reshape(-1, 5).astype(np.float32)
+  q = np.broadcast_to(Q, (TRIALS * size, 5)).astype(np.float32)
+  result = packed_tree_verify(
+    tokens, np.broadcast_to(first, (TRIALS, size)).astype(np.int32),
+    np.broadcast_to(sibling, (TRIALS, size)).astype(np.int32), max_depth=2, target_probs=p,
+    law=law, draft_probs=None if law == "deterministic" else q,
+    coins=rng.random((TRIALS, size)).astype(np.float32))
+  return np.asarray(result.tokens), np.asarray(result.num_tokens), np.asarray(result.valid)
+
+
+@pytest.mark.parametrize("law, drafted", [("deterministic", "top"), ("iid", "iid")])
+def test_chi_square_per_position(law, drafted):
+  tokens, num, valid = _simulate(law, drafted)
+  assert valid.all()
+  assert per_position(tokens, num, ROWS, ALPHA_EACH, f"{law} packed tree") == 3
+
+
+def test_negative_control_top_k_drafts_verified_as_iid_fails():
+  """Deterministic top-2 children declared as drawn i.i.d. from Q. (The converse is exact:
+  point-mass verification is exact for any drafter independent of the coins.)"""
+  tokens, num, _ = _simulate("iid", "top", seed=1)
+  with pytest.raises(AssertionError, match="chi-square"):
+    per_position(tokens, num, ROWS, ALPHA_EACH, "top-k drafts as iid")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+  (dict(coins=None), "exactly one of `coins` and `key`"),
+  (dict(law="iid"), "`draft_probs` is read under law 'iid'"),
+  (dict(uniform_layout="per_row"), "`uniform_layout` must be one of"),
+  (dict(target_probs=np.full((5, 4), 0.25, np.float32)), r"\(B \* N, V\) = \(6, V\)"),
+  (dict(retrive_next_sibling=np.full((2, 2), -1)), "must have the shape of `candidates`"),
+  (dict(params=SamplingParams(0.5)), "`params` apply to logits"),
+])
+def test_bad_input_is_a_clear_error(kwargs, message):
+  args = dict(candidates=np.zeros((2, 3), np.int32), retrive_next_token=np.full((2, 3), -1),
+              retrive_next_sibling=np.full((2, 3), -1), max_depth=2,
+              target_probs=np.full((6, 4), 0.25, np.float32), coins=np.zeros((2, 3), np.float32))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=f"packed_tree_verify: .*{message}"):
+    packed_tree_verify(**args)
