@@ -19,6 +19,10 @@ import re
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 from specdec_jax import ErrorCode
 from specdec_jax import PackedVerifyResult
@@ -392,3 +396,62 @@ def test_bad_input_is_a_clear_error(kwargs, message):
   args.update(kwargs)
   with pytest.raises((ValueError, TypeError), match=f"packed_verify: .*{message}"):
     packed_verify(**args)
+
+
+# --- fuzzing: garbage in, flags out ----------------------------------------------------------
+
+FUZZ_B, FUZZ_S, FUZZ_V, FUZZ_T = 5, 3, 16, 12
+
+
+@functools.cache
+def _fuzz_fn(rule: str, bonus: bool, point: bool):
+  @jax.jit
+  def run(ids, counts, target, draft, bonus_ids, uniforms):
+    return packed_verify(ids, counts, max_spec_len=FUZZ_S, target_probs=target,
+                         draft_probs=None if point else draft,
+                         bonus_token_ids=bonus_ids if bonus else None, bonus_rows=not bonus,
+                         uniforms=uniforms, rule=rule)
+  return run
+
+
+@settings(derandomize=True, max_examples=60, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**32 - 1), rule=st.sampled_from(sorted(RULES)),
+       bonus=st.booleans(), point=st.booleans(), garbage=st.sets(st.sampled_from(
+         ["counts", "ids", "nan", "negative", "bonus", "uniforms"])))
+def test_fuzz_under_jit_outputs_stay_in_range_and_clean_inputs_are_valid(seed, rule, bonus,
+                                                                         point, garbage):
+  rng = np.random.default_rng(seed)
+  counts = rng.integers(0, FUZZ_S + 1, FUZZ_B)
+  while counts.sum() > FUZZ_T:
+    counts[rng.integers(FUZZ_B)] = 0
+  rows = FUZZ_T + (0 if bonus else FUZZ_B)
+  target = rng.dirichlet(np.ones(FUZZ_V), rows).astype(np.float32)
+  draft = rng.dirichlet(np.ones(FUZZ_V), FUZZ_T).astype(np.float32)
+  ids = rng.integers(0, FUZZ_V, FUZZ_T)
+  bonus_ids = rng.integers(0, FUZZ_V, FUZZ_B)
+  uniforms = rng.random((FUZZ_B, FUZZ_S + 1)).astype(np.float32)
+  if "counts" in garbage:
+    counts[rng.integers(FUZZ_B)] = rng.choice([-3, FUZZ_S + 2, 2**31 - 1])
+  if "ids" in garbage:
+    ids[rng.integers(FUZZ_T)] = rng.choice([-1, FUZZ_V, 2**31 - 1])
+  if "nan" in garbage:
+    target[rng.integers(rows), rng.integers(FUZZ_V)] = np.nan
+  if "negative" in garbage:
+    target[rng.integers(rows)] *= -1
+  if "bonus" in garbage:
+    bonus_ids[:] = rng.choice([-7, FUZZ_V])
+  if "uniforms" in garbage:
+    uniforms[rng.integers(FUZZ_B), rng.integers(FUZZ_S + 1)] = rng.choice([1.0, -0.5, np.nan])
+  result = _fuzz_fn(rule, bonus, point)(ids.astype(np.int32), counts.astype(np.int32), target,
+                                        draft, bonus_ids.astype(np.int32), uniforms)
+  tokens, num = np.asarray(result.tokens), np.asarray(result.num_tokens)
+  assert ((tokens >= 0) & (tokens < FUZZ_V) | (tokens == -1)).all()
+  assert ((num >= 1) & (num <= FUZZ_S + 1)).all()
+  slots = np.arange(FUZZ_S + 1)[None, :]
+  assert (tokens[slots >= num[:, None]] == -1).all() and (tokens[slots < num[:, None]] >= 0).all()
+  assert (np.asarray(result.valid) == (np.asarray(result.error) == 0)).all()
+  if not garbage:
+    assert np.asarray(result.valid).all()
+  if "counts" in garbage:
+    assert not np.asarray(result.valid).all()
