@@ -64,6 +64,7 @@ T_FAST = "tests/test_fast_path.py"
 T_BLOCK = "tests/test_block.py"
 T_TREE = "tests/test_tree.py"
 T_LOGITS = "tests/test_logits.py"
+T_PACKED = "tests/test_packed.py"
 T_SLOTS = "tests/test_agreement.py::test_verify_matches_reference_slot_for_slot_at_one_shape"
 
 #: The curated mutants. Keep each selection small: a mutant run should take well under 2 minutes.
@@ -235,9 +236,29 @@ MUTANTS: tuple[Mutant, ...] = (
      "frozen=jnp.where(empty, t.removed_p, t.frozen)", "frozen=t.frozen",
      "after an empty residual falls back to p[u], the rejected tokens keep weight 0", T_TREE,
      "-k", "not_q or written_out or worked"),
+  _m("tree-per-parent-no-rescale", "_tree.py",
+     "coin = jnp.where(a < 1, (s.coin - a) / jnp.where(a < 1, 1 - a, one), s.coin)",
+     "coin = s.coin",
+     "per-parent coins: the next sibling reads the coin as is, not rescaled", T_TREE,
+     "-k", "written_out and per_parent"),
   _m("tree-flag-q-entry", "_tree.py",
      "      error = error | value_codes(q_x, tol)\n", "",
      "error assembly: the q entry of a tested child not checked", T_TREE, "-k", "bad"),
+  # --- packed layouts (_packed.py, _verify.py) --------------------------------------------------
+  _m("packed-offsets-without-bonus-rows", "_packed.py",
+     "p_offsets = starts + requests if bonus_rows else starts",
+     "p_offsets = starts if bonus_rows else starts",
+     "interleaved target rows read as if there were no bonus rows", T_PACKED, "-k", "interleaved"),
+  _m("packed-point-mass-half", "_verify.py",
+     "ones = jnp.ones(positions.shape, dtype)", "ones = jnp.full(positions.shape, 0.5, dtype)",
+     "point-mass drafts verified with q(x) = 0.5", T_PACKED, "-k", "point_mass"),
+  _m("packed-bonus-ignored", "_verify.py",
+     "token = jnp.where(use_bonus, safe_bonus, token)", "token = token",
+     "the caller's bonus token dropped (a token sampled from the wrong row instead)", T_PACKED,
+     "-k", "bonus"),
+  _m("packed-owner-params", "_packed.py",
+     "row_counts = counts + 1 if bonus_rows else counts", "row_counts = counts",
+     "logits rows processed with a neighbour's parameters", T_PACKED, "-k", "logits"),
   # --- logits processing (_logits.py) -----------------------------------------------------------
   _m("logits-temperature-after-softmax", "_logits.py",
      "probs = jax.nn.softmax(z)", "probs = jax.nn.softmax(jax.nn.softmax(z * scale) / scale)",
@@ -247,9 +268,10 @@ MUTANTS: tuple[Mutant, ...] = (
      "return (key > t) | first_true(key == t, k - count)",
      "return (key > t) | first_true((key == t)[::-1], k - count)[::-1]",
      "top-k ties at the threshold broken toward the higher id", T_LOGITS, "-k", "ties"),
-  _m("logits-topk-le", "_threshold.py",
-     "return count < k, count", "return count <= k, count",
-     "top-k threshold one value too low (keeps more than k)", T_LOGITS, "-k", "matches_numpy"),
+  _m("logits-topk-keeps-all-ties", "_threshold.py",
+     "return (key > t) | first_true(key == t, k - count)", "return key >= t",
+     "top-k keeps every tie of the k-th value (more than k survive)", T_LOGITS, "-k",
+     "ties or matches_numpy"),
   _m("logits-top-p-le", "_threshold.py",
      "(mass + r.astype(probs.dtype) * p_t < top_p)",
      "(mass + r.astype(probs.dtype) * p_t <= top_p)",
