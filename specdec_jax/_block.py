@@ -32,12 +32,9 @@ from specdec_jax._errors import psum_if
 from specdec_jax._errors import stop_row_error
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import block_masses
-from specdec_jax._sampling import block_start
 from specdec_jax._sampling import mask_block
-from specdec_jax._sampling import pick_block
-from specdec_jax._sampling import pick_in_block
+from specdec_jax._sampling import sample_blocks
 from specdec_jax._sampling import sanitize
-from specdec_jax._sampling import sharded_inverse_cdf
 from specdec_jax._stream import anchored
 from specdec_jax._stream import branch
 from specdec_jax._stream import per_sequence
@@ -176,12 +173,7 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
       values = p_part
     return mask_block(sanitize(values), lo, start)
 
-  if axis_name is None:
-    blk, rest = pick_block(clean, target_u * jnp.sum(clean))
-    lo, first = block_start(blk, vocab, block)
-    token = first + pick_in_block(block_values(lo, first, block), rest)
-  else:
-    token = sharded_inverse_cdf(clean, block_values, target_u, vocab, axis_name)
+  token = sample_blocks(clean, block_values, target_u, vocab, axis_name)
   return tau.astype(jnp.int32), token.astype(jnp.int32), err
 
 

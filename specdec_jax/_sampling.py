@@ -186,3 +186,19 @@ def sharded_inverse_cdf(masses, block_values, u, local_size: int, axis_name: str
   k = start + pick_in_block(block_values(lo, start, block), rest)
   candidate = jnp.where(me == owner, me * local_size + k, -1)
   return lax.pmax(candidate, axis_name)
+
+
+def sample_blocks(masses, block_values, u, local_size: int,
+                  axis_name: str | None = None) -> jax.Array:
+  """The final token of every verifier: a two-level inverse CDF over clean block masses.
+
+  ``masses`` are the (non-negative) block masses of the sampling weights and
+  ``block_values(lo, start, size)`` the masked weights of one block; the block is picked on
+  ``u * sum(masses)`` and only that block is read. With ``axis_name`` the vocabulary is split
+  over that mesh axis (:func:`sharded_inverse_cdf`). Returns an int32 id (global).
+  """
+  if axis_name is not None:
+    return sharded_inverse_cdf(masses, block_values, u, local_size, axis_name)
+  b, rest = pick_block(masses, u * jnp.sum(masses))
+  lo, start = block_start(b, local_size, min(BLOCK, local_size))
+  return start + pick_in_block(block_values(lo, start, min(BLOCK, local_size)), rest)

@@ -35,12 +35,9 @@ from specdec_jax._errors import value_codes
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import block_masses
-from specdec_jax._sampling import block_start
 from specdec_jax._sampling import mask_block
-from specdec_jax._sampling import pick_block
-from specdec_jax._sampling import pick_in_block
+from specdec_jax._sampling import sample_blocks
 from specdec_jax._sampling import sanitize
-from specdec_jax._sampling import sharded_inverse_cdf
 from specdec_jax._stream import anchored
 from specdec_jax._stream import branch
 from specdec_jax._stream import per_sequence
@@ -331,12 +328,7 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
       values = with_removed(g_of(p_part, q_part, jnp.where(s.raw, zero, s.c)), ids, s)
       return mask_block(sanitize(values), lo, start)
 
-    if axis_name is None:
-      b, rest = pick_block(masses, u * jnp.sum(masses))
-      lo, first = block_start(b, local_vocab, block)
-      token = first + pick_in_block(block_values(lo, first, block), rest)
-    else:
-      token = sharded_inverse_cdf(masses, block_values, u, local_vocab, axis_name)
+    token = sample_blocks(masses, block_values, u, local_vocab, axis_name)
     return s._replace(done=jnp.ones_like(s.done), out=s.out.at[s.depth].set(token),
                       error=s.error | uniform_codes(u, jnp.asarray(True)) | row_err)
 

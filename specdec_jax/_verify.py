@@ -27,12 +27,9 @@ from specdec_jax._errors import value_codes
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import block_masses
-from specdec_jax._sampling import block_start
 from specdec_jax._sampling import mask_block
-from specdec_jax._sampling import pick_block
-from specdec_jax._sampling import pick_in_block
+from specdec_jax._sampling import sample_blocks
 from specdec_jax._sampling import sanitize
-from specdec_jax._sampling import sharded_inverse_cdf
 from specdec_jax._stream import anchored
 from specdec_jax._stream import branch
 from specdec_jax._stream import per_sequence
@@ -337,12 +334,7 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
     return mask_block(sanitize(weights(p_part, q_part, use_residual, dtype)), lo, start)
 
   final_u = uniforms[num_tests]
-  if axis_name is None:
-    b, rest = pick_block(clean, final_u * jnp.sum(clean))
-    lo, start = block_start(b, local_vocab, block)
-    token = start + pick_in_block(block_values(lo, start, block), rest)
-  else:
-    token = sharded_inverse_cdf(clean, block_values, final_u, local_vocab, axis_name)
+  token = sample_blocks(clean, block_values, final_u, local_vocab, axis_name)
 
   row_error = stop_row_error(masses, p_sum, q_sum, rejected, prep.tol, axis_name)
   num_uniforms = num_tests + 1
