@@ -73,14 +73,22 @@ def _grow(a, rows, fill):
   return np.concatenate([a, np.full((rows, *a.shape[1:]), fill, a.dtype)])
 
 
+def _fit(a, rows, fill):
+  """``a`` in a static buffer of ``rows`` rows (one shape for every seed: one compilation)."""
+  return _grow(a, rows - len(a), fill)
+
+
+CAP = 9 * 4  # the draft buffer of _batch's default B = 9, S = 4
+
+
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("seed", range(6))
 def test_probabilities_interleaved_equal_the_padded_verifier(rule, seed):
   _, n, p, q, d, u, pack = _batch(seed)
   want = jax.vmap(RULES[rule])(p, q, d, u, num_draft=n)
-  got = packed_verify(_grow(pack["ids"], 3, 7), n, max_spec_len=4, rule=rule,
-                      target_probs=_grow(pack["interleaved"], 2, np.nan),
-                      draft_probs=_grow(pack["q"], 3, np.nan), uniforms=u)
+  got = packed_verify(_fit(pack["ids"], CAP, 7), n, max_spec_len=4, rule=rule,
+                      target_probs=_fit(pack["interleaved"], CAP + 9, np.nan),
+                      draft_probs=_fit(pack["q"], CAP, np.nan), uniforms=u)
   _same(want, got, f"{rule} seed {seed}")
 
 
@@ -92,8 +100,8 @@ def test_point_mass_drafts_equal_one_hot_q(rule, seed):
   pack["ids"] = np.concatenate([d[i, :n[i]] for i in range(len(n))] + [d[0, :0]])
   one_hot = np.eye(p.shape[-1], dtype=np.float32)[d]
   want = jax.vmap(RULES[rule])(p, one_hot, d, u, num_draft=n)
-  got = packed_verify(pack["ids"], n, max_spec_len=4, rule=rule,
-                      target_probs=pack["interleaved"], uniforms=u)
+  got = packed_verify(_fit(pack["ids"], CAP, 7), n, max_spec_len=4, rule=rule,
+                      target_probs=_fit(pack["interleaved"], CAP + 9, np.nan), uniforms=u)
   _same(want, got, f"{rule} point mass seed {seed}")
 
 
@@ -105,16 +113,18 @@ def test_caller_bonus_tokens_equal_a_one_hot_bonus_row(rule, seed):
   padded = p.copy()
   padded[np.arange(len(n)), n] = np.eye(p.shape[-1], dtype=np.float32)[bonus]
   want = jax.vmap(RULES[rule])(padded, q, d, u, num_draft=n)
-  got = packed_verify(pack["ids"], n, max_spec_len=4, rule=rule, bonus_token_ids=bonus,
-                      target_probs=_grow(pack["drafts_only"], 4, np.nan),
-                      draft_probs=pack["q"], uniforms=u)
+  got = packed_verify(_fit(pack["ids"], CAP, 7), n, max_spec_len=4, rule=rule,
+                      bonus_token_ids=bonus, target_probs=_fit(pack["drafts_only"], CAP, np.nan),
+                      draft_probs=_fit(pack["q"], CAP, np.nan), uniforms=u)
   # The bonus is not sampled: one uniform fewer is read, nothing else differs.
   _same(want, got, f"{rule} bonus seed {seed}")
   # Interleaved rows with a given bonus: the bonus rows are not read either.
   target = pack["interleaved"].copy()
   target[np.cumsum(n + 1) - 1] = np.nan
-  got = packed_verify(pack["ids"], n, max_spec_len=4, rule=rule, bonus_token_ids=bonus,
-                      bonus_rows=True, target_probs=target, draft_probs=pack["q"], uniforms=u)
+  got = packed_verify(_fit(pack["ids"], CAP, 7), n, max_spec_len=4, rule=rule,
+                      bonus_token_ids=bonus, bonus_rows=True,
+                      target_probs=_fit(target, CAP + 9, np.nan),
+                      draft_probs=_fit(pack["q"], CAP, np.nan), uniforms=u)
   _same(want, got, f"{rule} bonus, interleaved, seed {seed}")
 
 
@@ -131,9 +141,12 @@ def test_logits_with_per_request_params_equal_verify_logits(seed):
     top_p=rng.choice([1.0, 0.9, 0.5], batch).astype(np.float32))
   want = jax.vmap(verify_logits)(target, draft, d, u, params, num_draft=n)
   got = packed_verify(
-    np.concatenate([d[i, :n[i]] for i in range(batch)]), n, max_spec_len=spec, params=params,
-    target_logits=np.concatenate([target[i, :n[i] + 1] for i in range(batch)]),
-    draft_logits=np.concatenate([draft[i, :n[i]] for i in range(batch)]), uniforms=u)
+    _fit(np.concatenate([d[i, :n[i]] for i in range(batch)] + [d[0, :0]]), CAP, 3), n,
+    max_spec_len=spec, params=params, uniforms=u,
+    target_logits=_fit(np.concatenate([target[i, :n[i] + 1] for i in range(batch)]), CAP + 9,
+                       np.nan),
+    draft_logits=_fit(np.concatenate([draft[i, :n[i]] for i in range(batch)] + [draft[0, :0]]),
+                      CAP, np.nan))
   _same(want, got, f"logits seed {seed}")
 
 
