@@ -49,10 +49,13 @@ def test_bench_tiny_runs_and_prints_the_tables():
     assert title in out, title
   assert "specdec_jax.speculative_step" in out
   assert "specdec_jax.reference.speculative_step" in out
+  for title in ("Packed ragged batches", "packed/floor", "gather/packed", "eager/packed",
+                "sorted/packed"):  # the packed section (app/bench_packed.py)
+    assert title in out, title
 
 
 def test_bench_tiny_markdown_without_torch():
-  out = _run_bench("--markdown", "--no-torch")
+  out = _run_bench("--markdown", "--no-torch", "--no-packed")
   assert "| B | gamma | V |" in out
   assert "torch disabled" in out
   row = next(line for line in out.splitlines() if line.startswith("| 2 | 2 | 1000 |"))

