@@ -38,8 +38,10 @@ from specdec_jax._tree import tree_verify_with_key
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax._verify import verify_with_key
+from specdec_jax.decoding import AdaptiveSpeculation
 from specdec_jax.decoding import DecodeStats
 from specdec_jax.decoding import DraftTree
+from specdec_jax.decoding import FeatureDraft
 from specdec_jax.decoding import GenerateResult
 from specdec_jax.decoding import PromptLookup
 from specdec_jax.decoding import SpeculativeResult
@@ -51,10 +53,12 @@ from specdec_jax.models.protocol import Model
 __version__ = "0.1.0"
 
 __all__ = (
+  "AdaptiveSpeculation",
   "DecodeStats",
   "DraftSample",
   "DraftTree",
   "ErrorCode",
+  "FeatureDraft",
   "GenerateResult",
   "Model",
   "PackedTreeResult",

@@ -16,16 +16,20 @@ cache slot per position, so rolling back rejected proposals is just moving a len
   them in one call and a verifier (default :func:`~specdec_jax.verify`) keeps a prefix
   plus one token of its own, so the output is distributed exactly as :func:`generate`'s.
   The draft is another :class:`Model` (a small model, or the target with layers
-  skipped) or :class:`PromptLookup` (n-gram matches in the context, no model at all).
+  skipped), a :class:`FeatureDraft` reading the target's features (EAGLE) or
+  :class:`PromptLookup` (n-gram matches in the context, no model at all); with
+  :class:`AdaptiveSpeculation` each row chooses how many to propose from its past acceptance.
 * :func:`tree_speculative_generate`: a draft model proposes a :class:`DraftTree` of
   candidates, the target scores every node in one call with tree attention and
   :func:`~specdec_jax.tree_verify` keeps one path plus a token of its own.
 """
 
+from specdec_jax.decoding.adaptive import AdaptiveSpeculation
 from specdec_jax.decoding.chain import VERIFIERS
 from specdec_jax.decoding.chain import Verifier
 from specdec_jax.decoding.chain import speculative_generate
 from specdec_jax.decoding.drafts import Draft
+from specdec_jax.decoding.drafts import FeatureDraft
 from specdec_jax.decoding.drafts import PromptLookup
 from specdec_jax.decoding.plain import generate
 from specdec_jax.decoding.tree import TREE_LAWS
@@ -38,9 +42,11 @@ from specdec_jax.decoding.types import SpeculativeResult
 __all__ = (
   "TREE_LAWS",
   "VERIFIERS",
+  "AdaptiveSpeculation",
   "DecodeStats",
   "Draft",
   "DraftTree",
+  "FeatureDraft",
   "GenerateResult",
   "PromptLookup",
   "SpeculativeResult",

@@ -29,7 +29,7 @@ def model_fns(model: Model, name: str, arg: str) -> ModelFns:
     raise TypeError(
       f"{name}: `{arg}` must be a specdec_jax.models.Model, got {type(model).__name__} instead."
     )
-  return ModelFns(model.apply, model.init_cache, int(model.vocab_size))
+  return ModelFns(model.apply, model.init_cache, int(model.vocab_size), model.apply_features)
 
 
 def check_prompt(prompt_tokens, prompt_lengths, name: str, vocab: int):

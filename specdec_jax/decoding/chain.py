@@ -11,9 +11,14 @@ import numpy as np
 from jax import lax
 
 from specdec_jax._block import block_verify
+from specdec_jax._checks import is_concrete
 from specdec_jax._logits import SamplingParams
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
+from specdec_jax.decoding.adaptive import AdaptiveSpeculation
+from specdec_jax.decoding.adaptive import check_policy
+from specdec_jax.decoding.adaptive import choose_num_draft
+from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.args import StaticFunction
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
@@ -31,7 +36,10 @@ from specdec_jax.decoding.common import processed
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.drafts import Draft
+from specdec_jax.decoding.drafts import FeatureDraft
+from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import PromptLookup
+from specdec_jax.decoding.drafts import propose_features
 from specdec_jax.decoding.drafts import propose_lookup
 from specdec_jax.decoding.drafts import propose_model
 from specdec_jax.decoding.types import ModelFns
@@ -48,73 +56,179 @@ VERIFIERS: dict[str, Verifier] = {"token": verify, "block": block_verify}
 
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "context",
-                   "pad_id"),
-)
-def speculative_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys,
-                      params, eos_id, *, target: ModelFns, draft: ModelFns | PromptLookup,
-                      verifier: Verifier, gamma: int, max_new_tokens: int, max_len: int,
-                      context: int | None, pad_id: int):
+_STATIC = ("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "context",
+           "pad_id", "adaptive")
+
+
+def _pad_result(result: VerifyResult, width: int, pad_id: int) -> VerifyResult:
+  """A batch of results of ``k + 1`` token slots padded to ``width`` slots."""
+  extra = width - result.tokens.shape[1]
+  tokens = jnp.pad(result.tokens, ((0, 0), (0, extra)), constant_values=pad_id)
+  return result._replace(tokens=tokens)
+
+
+def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params, eos_id,
+          *, target: ModelFns, draft: ModelFns | PromptLookup | FeatureFns, verifier: Verifier,
+          gamma: int, max_new_tokens: int, max_len: int, context: int | None, pad_id: int,
+          adaptive: AdaptiveSpeculation | None):
+  """``(common, init, cond, body)`` of the chain loop (traced pieces shared by its jits)."""
   batch = prompt.shape[0]
   rows = batch_rows(batch)
   vocab = target.vocab_size
   cache_len = max_len + gamma  # positions fed never pass L - 1 + gamma <= max_len + gamma - 1
   common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
-                          max_new_tokens=max_new_tokens, max_len=max_len, context=context,
-                          vocab=vocab)
-  stop_len = common.stop_len
-  tokens, lengths, done, target_cache, first_error = prefill_and_start(
-    target, target_params, prompt, common, max_len, cache_len, pad_id)
-  zero = jnp.int32(0)
+                              max_new_tokens=max_new_tokens, max_len=max_len, context=context,
+                              vocab=vocab)
   is_model = isinstance(draft, ModelFns)
-  if is_model:
-    _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
-    draft_calls = zero + 1
-  else:
-    draft_cache, draft_calls = None, zero
-  counts = jnp.zeros((batch,), jnp.int32)
-  at = jnp.zeros((batch, gamma), jnp.int32)
-  state = SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, draft_calls,
-                     (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at,
-                     error | first_error)
+  is_feature = isinstance(draft, FeatureFns)
   slots = jnp.arange(gamma + 1, dtype=jnp.int32)
+
+  def init() -> SpecState:
+    start = prefill_and_start(target, target_params, prompt, common, max_len, cache_len, pad_id,
+                              features=is_feature)
+    tokens, lengths, done, target_cache, first_error = start[:5]
+    zero = jnp.int32(0)
+    if is_model:
+      _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
+      draft_calls = zero + 1
+    elif is_feature:
+      draft_cache = _feature_prefill(draft, draft_params, prompt, prompt_lengths, start[5],
+                                     gamma=gamma, cache_len=cache_len, vocab=vocab)
+      draft_calls = zero + 1
+    else:
+      draft_cache, draft_calls = None, zero
+    counts = jnp.zeros((batch,), jnp.int32)
+    at = jnp.zeros((batch, gamma), jnp.int32)
+    return SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, draft_calls,
+                     (prompt_lengths < common.stop_len).astype(jnp.int32), counts, counts, at, at,
+                     error | first_error, jnp.zeros((batch, 2), jnp.float32))
 
   def cond(s: SpecState):
     return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
 
-  def body(s: SpecState):
+  def body(s: SpecState) -> SpecState:
     active = ~s.done
     last = s.lengths - 1
     # Never propose past the budget: then the verifier emits at most `stop_len - L` tokens.
-    num_draft = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, gamma), 0)
+    budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, gamma), 0)
+    want = budget if adaptive is None else jnp.minimum(
+      budget, choose_num_draft(adaptive, s.adapt, gamma=gamma))
     step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
+    steps = gamma if adaptive is None else jnp.maximum(jnp.max(want), 1)
     if is_model:
       draft_tokens, q, draft_cache = propose_model(
         draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
-        cache_len=cache_len)
-      draft_calls = s.draft_calls + gamma
+        cache_len=cache_len, steps=steps)
+      draft_calls = s.draft_calls + steps
+    elif is_feature:
+      draft_tokens, q, feature_cache = propose_features(
+        draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
+        cache_len=cache_len, vocab=vocab, steps=steps)
+      draft_calls = s.draft_calls + steps
     else:
-      draft_tokens, q = propose_lookup(draft, s.tokens, s.lengths, gamma=gamma, vocab=vocab)
+      draft_tokens, q, found = propose_lookup(draft, s.tokens, s.lengths, gamma=gamma,
+                                              vocab=vocab)
+      if adaptive is not None:  # no n-gram match: propose nothing
+        want = jnp.where(found, want, 0)
       draft_cache, draft_calls = s.draft_cache, s.draft_calls
+    num_draft = want
 
-    # One target call scores the last token and the gamma proposals.
-    inputs = jnp.concatenate([s.tokens[rows, last][:, None], draft_tokens], axis=1)
+    # One target call scores the last token and the proposals; adaptive speculation calls it
+    # on the batch's largest proposal count plus one (one compiled branch per width).
+    inputs = model_ids(jnp.concatenate([s.tokens[rows, last][:, None], draft_tokens], axis=1),
+                       vocab)
     positions = jnp.clip(last[:, None] + slots[None], 0, cache_len - 1)
-    logits, target_cache = target.apply(target_params, model_ids(inputs, vocab), positions,
-                                        s.target_cache)
-    p = processed(logits, params)
     uniforms = jax.vmap(lambda k: uniform(jax.random.fold_in(k, gamma), (gamma + 1,)))(step_keys)
-    result = jax.vmap(verifier)(p, q, draft_tokens, uniforms, num_draft=num_draft)
 
-    return after_verify(s, result, common, active=active, target_cache=target_cache,
-                         draft_cache=draft_cache, draft_calls=draft_calls, proposals=num_draft,
-                         depth=num_draft)
+    def score(k: int):
+      def run(target_cache):
+        if is_feature:
+          logits, feats, target_cache = target.apply_features(
+            target_params, inputs[:, :k + 1], positions[:, :k + 1], target_cache)
+          feats = jnp.pad(feats, ((0, 0), (0, gamma - k), (0, 0)))
+        else:
+          logits, target_cache = target.apply(target_params, inputs[:, :k + 1],
+                                              positions[:, :k + 1], target_cache)
+          feats = None
+        p = processed(logits, params)
+        result = jax.vmap(verifier)(p, q[:, :k], draft_tokens[:, :k], uniforms[:, :k + 1],
+                                    num_draft=num_draft)
+        return _pad_result(result, gamma + 1, pad_id), target_cache, feats
+      return run
 
-  return speculative_result(lax.while_loop(cond, body, state), common)
+    if adaptive is None:
+      result, target_cache, feats = score(gamma)(s.target_cache)
+    else:
+      result, target_cache, feats = lax.switch(
+        jnp.max(num_draft), [score(k) for k in range(gamma + 1)], s.target_cache)
+    if is_feature:
+      draft_cache = (feature_cache, feats, s.lengths)
+    new = after_verify(s, result, common, active=active, target_cache=target_cache,
+                       draft_cache=draft_cache, draft_calls=draft_calls, proposals=num_draft,
+                       depth=num_draft)
+    if adaptive is not None:
+      accepted = jnp.where(active, result.num_accepted, 0)
+      new = new._replace(adapt=update_counts(adaptive, s.adapt, num_draft, accepted, active))
+    return new
+
+  return common, init, cond, body
 
 
+def _feature_prefill(draft: FeatureFns, draft_params, prompt, prompt_lengths, target_features, *,
+                     gamma: int, cache_len: int, vocab: int):
+  """The feature draft's state after the prompt: ``(cache, features (B, gamma + 1, D), start)``.
+
+  The draft reads positions ``0 .. P - 1`` with the target's features shifted by one (zeros
+  before position 0); the next sync starts at each row's prompt length, where the feature is
+  the target's at the last prompt position.
+  """
+  params_d, _ = draft_params
+  batch, width = prompt.shape
+  cache = draft.init_cache(batch, cache_len)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
+  shifted = jnp.pad(target_features, ((0, 0), (1, 0), (0, 0)))[:, :width]
+  _, _, cache = draft.apply(params_d, model_ids(prompt, vocab), shifted, positions, cache)
+  last = target_features[batch_rows(batch), prompt_lengths - 1]
+  features = jnp.zeros((batch, gamma + 1, *last.shape[1:]), last.dtype).at[:, 0].set(last)
+  return cache, features, prompt_lengths
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def speculative_loop(*args, **static):
+  """The whole chain loop as one compiled program: prefill, ``while_loop``, result."""
+  common, init, cond, body = _loop(*args, **static)
+  return speculative_result(lax.while_loop(cond, body, init()), common)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _start(*args, **static) -> SpecState:
+  return _loop(*args, **static)[1]()
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "iterations"))
+def _chunk(state: SpecState, *args, iterations: int, **static):
+  """At most ``iterations`` more loop iterations from ``state``; and whether rows remain."""
+  _, _, cond, body = _loop(*args, **static)
+  state, _ = lax.while_loop(lambda c: cond(c[0]) & (c[1] < iterations),
+                            lambda c: (body(c[0]), c[1] + 1), (state, jnp.int32(0)))
+  return state, cond(state)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _finish(state: SpecState, *args, **static) -> SpeculativeResult:
+  return speculative_result(state, _loop(*args, **static)[0])
+
+
+def streamed_loop(args, static, on_tokens: Callable, iterations: int) -> SpeculativeResult:
+  """Run the loop in jitted chunks of ``iterations``, calling ``on_tokens(tokens, lengths)``
+  (host NumPy arrays) after each; the state is carried, so the result is the one-shot loop's."""
+  state = _start(*args, **static)
+  running = True
+  while running:
+    state, running = _chunk(state, *args, iterations=iterations, **static)
+    tokens, lengths, running = jax.device_get((state.tokens, state.lengths, running))
+    on_tokens(tokens, lengths)
+  return _finish(state, *args, **static)
 
 
 def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
@@ -122,7 +236,9 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
                          max_new_tokens: int, params: SamplingParams = SamplingParams(),
                          eos_id: int | None = None, max_len: int | None = None,
                          verifier: str | Verifier = "token",
-                         pad_id: int = -1) -> SpeculativeResult:
+                         pad_id: int = -1, adaptive: AdaptiveSpeculation | None = None,
+                         on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+                         chunk_iterations: int = 4) -> SpeculativeResult:
   """Exact speculative decoding of a batch, as one jitted ``lax.while_loop`` with fixed shapes.
 
   The target prefills the prompt and samples each row's first token as
@@ -132,8 +248,10 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   1. the draft proposes ``gamma`` tokens and the distributions ``q`` they were drawn
      from: a draft :class:`Model` samples with :func:`~specdec_jax.sample_draft` under
      the same ``params`` (its cache is synced by feeding the tokens at ``L - 2, L - 1``,
-     then ``gamma - 1`` single steps); :class:`PromptLookup` proposes from n-gram
-     matches with point-mass ``q`` and calls no model;
+     then ``gamma - 1`` single steps); a :class:`FeatureDraft` (EAGLE) is synced on the
+     tokens the target scored last with the target's features, then runs ahead on its own;
+     :class:`PromptLookup` proposes from n-gram matches with point-mass ``q`` and calls no
+     model;
   2. the target scores the token at ``L - 1`` and the proposals in ONE ``apply``
      (``T = gamma + 1``, positions ``L - 1 .. L + gamma - 1``), giving ``p`` via
      :func:`~specdec_jax.process_logits`;
@@ -142,6 +260,12 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
      ``num_draft = min(gamma, max_new_tokens - emitted - 1)`` proposals are verified,
      so a row never overshoots ``max_new_tokens``. Rejected positions are rolled back
      by the length alone: the caches' stale slots are overwritten before being read.
+
+  With ``adaptive`` (:class:`~specdec_jax.decoding.AdaptiveSpeculation`) each row proposes
+  ``num_draft <= gamma`` tokens chosen from its own past acceptance (none at all when
+  proposals keep failing; :class:`PromptLookup` proposes nothing where no n-gram matches),
+  the draft runs only as many steps as the batch's largest choice and the target scores
+  that many plus one (one compiled call per width, picked with ``lax.switch``).
 
   The output is distributed exactly as :func:`generate`'s (the target's processed
   distribution), for any draft; ``temperature == 0`` gives the greedy sequence token
@@ -153,7 +277,8 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   Args:
     target: the target :class:`Model`.
     draft: a draft :class:`Model` with the target's vocabulary (a small model, or the
-      target with layers skipped: self-speculation), or :class:`PromptLookup`.
+      target with layers skipped: self-speculation), a :class:`FeatureDraft` (needs a target
+      with ``apply_features``), or :class:`PromptLookup`.
     prompt_tokens: int ``(B, P)`` right-padded prompts.
     prompt_lengths: int ``(B,)`` in ``[1, P]``.
     key: one ``jax.random`` key (split into one per row) or ``B`` keys, one per row.
@@ -170,6 +295,14 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
       It is static; functions are compared by code and captured values, so a lambda written
       at the call site reuses the compiled loop on the next call.
     pad_id: static int written after each row's last token.
+    adaptive: optional static :class:`~specdec_jax.decoding.AdaptiveSpeculation`, the cost
+      model that chooses each row's proposals per iteration (``None``: always ``gamma``,
+      within the budget).
+    on_tokens: optional host function ``on_tokens(tokens (B, max_len), lengths (B,))`` (NumPy
+      arrays) for streaming: the loop then runs in jitted chunks of ``chunk_iterations``
+      iterations with its state carried between them, and calls it after each chunk. The
+      result is the same as without it, token for token.
+    chunk_iterations: static int ``>= 1``, loop iterations per chunk when streaming.
 
   Returns:
     :class:`SpeculativeResult`: ``tokens`` ``(B, max_len)``, ``lengths``, ``num_new``
@@ -204,7 +337,21 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   """
   name = "speculative_generate"
   target_fns = model_fns(target, name, "target")
-  if isinstance(draft, PromptLookup):
+  if isinstance(draft, FeatureDraft):
+    if target.apply_features is None:
+      raise ValueError(f"{name}: a FeatureDraft reads the target's features, but the target "
+                       f"{target.name!r} has no `apply_features` (see specdec_jax.models.Model).")
+    ids = draft.vocab_ids
+    if is_concrete(ids):
+      host = np.asarray(ids)
+      if host.ndim != 1 or host.size == 0 or host.min() < 0 or host.max() >= (
+          target_fns.vocab_size) or np.unique(host).size != host.size:
+        raise ValueError(f"{name}: the draft's `vocab_ids` must be distinct ids in [0, "
+                         f"{target_fns.vocab_size}), got shape {host.shape} instead.")
+    ids = jnp.asarray(ids, jnp.int32)
+    draft_static = FeatureFns(draft.apply, draft.init_cache, int(ids.shape[0]))
+    draft_params = (draft.params, ids)
+  elif isinstance(draft, PromptLookup):
     if not 1 <= draft.min_ngram <= draft.max_ngram:
       raise ValueError(
         f"{name}: PromptLookup needs 1 <= min_ngram <= max_ngram, got min_ngram = "
@@ -235,11 +382,20 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   prompt, lengths, tokens_ok = check_prompt(prompt_tokens, prompt_lengths, name, vocab)
   batch, width = prompt.shape
   contexts = (("target", target.context_length),
-              ("draft", None if isinstance(draft, PromptLookup) else draft.context_length))
+              ("draft", getattr(draft, "context_length", None)))
   max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
-  return speculative_loop(target.params, draft_params, prompt, lengths, tokens_ok,
-                          make_row_keys(key, batch, name), batch_params(params, batch, name),
-                          check_eos(eos_id, name, vocab), target=target_fns, draft=draft_static,
-                          verifier=verifier, gamma=int(gamma),
-                          max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
-                          pad_id=int(pad_id))
+  if adaptive is not None:
+    adaptive = check_policy(adaptive, name)
+  args = (target.params, draft_params, prompt, lengths, tokens_ok, make_row_keys(key, batch, name),
+          batch_params(params, batch, name), check_eos(eos_id, name, vocab))
+  static = dict(target=target_fns, draft=draft_static, verifier=verifier, gamma=int(gamma),
+                max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
+                pad_id=int(pad_id), adaptive=adaptive)
+  if on_tokens is None:
+    return speculative_loop(*args, **static)
+  if not callable(on_tokens):
+    raise TypeError(f"{name}: `on_tokens` must be a function or None, got {on_tokens!r}.")
+  if not isinstance(chunk_iterations, int | np.integer) or chunk_iterations < 1:
+    raise ValueError(f"{name}: `chunk_iterations` must be an int >= 1, got "
+                     f"{chunk_iterations!r} instead.")
+  return streamed_loop(args, static, on_tokens, int(chunk_iterations))

@@ -36,12 +36,21 @@ def uniform(key: jax.Array, shape=()) -> jax.Array:
   return jax.random.uniform(key, shape, jnp.float32)
 
 
-def prefill(fns: ModelFns, model_params, prompt, prompt_lengths, cache_len: int):
-  """One ``apply`` over the whole prompt; each row's logits at its own last prompt position."""
+def prefill(fns: ModelFns, model_params, prompt, prompt_lengths, cache_len: int, *,
+            features: bool = False):
+  """One ``apply`` over the whole prompt; each row's logits at its own last prompt position.
+
+  Returns ``(logits (B, V), cache)``, or with ``features`` (``apply_features``) ``(logits,
+  cache, features (B, P, D))``.
+  """
   batch, width = prompt.shape
   cache = fns.init_cache(batch, cache_len)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
-  logits, cache = fns.apply(model_params, model_ids(prompt, fns.vocab_size), positions, cache)
+  ids = model_ids(prompt, fns.vocab_size)
+  if features:
+    logits, feats, cache = fns.apply_features(model_params, ids, positions, cache)
+    return logits[batch_rows(batch), prompt_lengths - 1], cache, feats
+  logits, cache = fns.apply(model_params, ids, positions, cache)
   return logits[batch_rows(batch), prompt_lengths - 1], cache
 
 
@@ -122,16 +131,20 @@ def first_token(logits, common: Common):
 
 
 def prefill_and_start(target: ModelFns, target_params, prompt, common: Common, max_len: int,
-                      cache_len: int, pad_id: int):
-  """Prefill the target, emit the first token: ``(tokens, lengths, done, cache, error)``."""
+                      cache_len: int, pad_id: int, *, features: bool = False):
+  """Prefill the target, emit the first token: ``(tokens, lengths, done, cache, error)``, and
+  with ``features`` the target's prompt features ``(B, P, D)`` last."""
   tokens = init_buffer(prompt, common.prompt_lengths, max_len, pad_id)
-  logits, cache = prefill(target, target_params, prompt, common.prompt_lengths, cache_len)
+  out = prefill(target, target_params, prompt, common.prompt_lengths, cache_len,
+                features=features)
+  logits, cache = out[:2]
   lengths = common.prompt_lengths
   done = lengths >= common.stop_len
   first, error = first_token(logits, common)
   ones = jnp.ones_like(lengths)
   tokens, lengths, done, _ = advance(tokens, lengths, done, first, ones, common)
-  return tokens, lengths, done, cache, jnp.where(common.prompt_lengths < common.stop_len, error, 0)
+  error = jnp.where(common.prompt_lengths < common.stop_len, error, 0)
+  return (tokens, lengths, done, cache, error, *out[2:])
 
 
 def make_stats(target_calls, draft_calls, row_calls, proposals, accepted, proposed_at, accepted_at,
@@ -167,6 +180,7 @@ def after_verify(s: SpecState, result, common: Common, *, active, target_cache, 
     proposed_at=s.proposed_at + (at < depth[:, None]).astype(jnp.int32),
     accepted_at=s.accepted_at + (at < accepted[:, None]).astype(jnp.int32),
     error=s.error | jnp.where(active, result.error, 0),
+    adapt=s.adapt,
   )
 
 

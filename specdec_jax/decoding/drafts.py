@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -41,15 +43,94 @@ class PromptLookup(NamedTuple):
   min_ngram: int = 1
 
 
-#: A draft for :func:`speculative_generate`: another :class:`Model` (same vocabulary as the
-#: target) or :class:`PromptLookup`.
-Draft = Model | PromptLookup
+class FeatureDraft(NamedTuple):
+  """A draft that reads the target's features (EAGLE), over a subset of its vocabulary.
 
+  At position ``t`` the draft reads the token ``x[t]`` and the target's feature ``f[t - 1]``
+  (the hidden state its head read at ``t - 1``; the target must provide
+  ``Model.apply_features``) and returns logits for ``x[t + 1]`` over its vocabulary
+  ``vocab_ids`` and a predicted feature ``g[t]``, which it reads in place of ``f[t]`` while it
+  runs ahead of the target. :func:`speculative_generate` syncs it each iteration on the tokens
+  the target has just scored, with the target's own features, then drafts. Its ``q`` is zero
+  outside ``vocab_ids``; the verification rule is exact for that as for any ``q``.
+
+  Attributes:
+    params: any pytree of arrays.
+    apply: ``apply(params, tokens (B, T), features (B, T, D), positions (B, T), cache) ->
+      (logits (B, T, K), features (B, T, D), cache)``, with the cache contract of
+      :class:`~specdec_jax.models.Model` (slot ``t`` for position ``t``, attends to ``0 .. t``).
+    init_cache: ``init_cache(batch, max_len) -> cache``.
+    vocab_ids: int32 ``(K,)`` distinct target token ids: logit ``k`` is for token
+      ``vocab_ids[k]``.
+    name: a label for tables.
+
+  Reference:
+    Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML 2024,
+    arXiv:2401.15077; Zhao et al., "FR-Spec: Accelerating Large-Vocabulary Language Models via
+    Frequency-Ranked Speculative Sampling", arXiv:2502.14856.
+  """
+
+  params: Any
+  apply: Callable[..., Any]
+  init_cache: Callable[[int, int], Any]
+  vocab_ids: Any
+  name: str = "feature draft"
+
+
+class FeatureFns(NamedTuple):
+  """The static half of a :class:`FeatureDraft` (hashable: a jit static argument)."""
+
+  apply: Callable[..., Any]
+  init_cache: Callable[[int, int], Any]
+  draft_vocab: int
+
+
+#: A draft for :func:`speculative_generate`: another :class:`Model` (same vocabulary as the
+#: target), :class:`PromptLookup` or a :class:`FeatureDraft`.
+Draft = Model | PromptLookup | FeatureDraft
+
+
+
+def draft_sampler(step_keys, params, vocab: int, vocab_ids=None):
+  """``sample(j, logits (B, K)) -> (tokens (B,), q (B, V))``: draft position ``j``'s draw.
+
+  Row ``b`` uses ``fold_in(step_keys[b], j)``. With ``vocab_ids`` the logits are over that
+  subset of the vocabulary: the token is mapped to its target id and ``q`` is zero elsewhere.
+  """
+  def sample(j, logits):
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(step_keys)
+    out = jax.vmap(sample_draft)(keys, logits, params)
+    if vocab_ids is None:
+      return out.token, out.probs
+    q = jnp.zeros((logits.shape[0], vocab), out.probs.dtype).at[:, vocab_ids].set(out.probs)
+    return vocab_ids[out.token], q
+
+  return sample
+
+
+def run_ahead(step, first_token, first_q, carry, *, gamma: int, steps):
+  """Fill ``(B, gamma)`` proposals and ``(B, gamma, V)`` ``q`` from the first draw and
+  ``steps - 1`` more calls of ``step(j, token, carry) -> (token, q, carry)``.
+
+  ``steps`` is a static int or a traced ``()`` int32 in ``[1, gamma]`` (adaptive speculation:
+  the batch's largest proposal count); the slots after it keep the first draw (never verified).
+  """
+  tokens = jnp.broadcast_to(first_token[:, None], (*first_token.shape, gamma))
+  q = jnp.broadcast_to(first_q[:, None], (first_q.shape[0], gamma, first_q.shape[1]))
+
+  def body(j, state):
+    tokens, q, carry = state
+    token, probs, carry = step(j, tokens[:, j - 1], carry)
+    return tokens.at[:, j].set(token), q.at[:, j].set(probs), carry
+
+  tokens, q, carry = lax.fori_loop(1, steps, body, (tokens, q, carry))
+  return tokens, q, carry
 
 
 def propose_model(draft: ModelFns, draft_params, cache, tokens, lengths, step_keys, params,
-                   *, gamma: int, cache_len: int):
-  """``gamma`` proposals from a draft model: one ``T = 2`` sync call, then ``gamma - 1`` steps.
+                   *, gamma: int, cache_len: int, steps=None):
+  """Up to ``gamma`` proposals from a draft model: one ``T = 2`` sync call, then ``steps - 1``
+  single steps (``steps`` defaults to ``gamma``; see :func:`run_ahead`).
 
   The draft has processed every token before position ``L - 2`` (after a full
   acceptance the last two tokens are new to it, after a rejection only the last), so
@@ -66,29 +147,62 @@ def propose_model(draft: ModelFns, draft_params, cache, tokens, lengths, step_ke
   positions = jnp.clip(positions, 0, cache_len - 1)
   sync = tokens[rows[:, None], positions]
   logits, cache = draft.apply(draft_params, model_ids(sync, draft.vocab_size), positions, cache)
+  sample = draft_sampler(step_keys, params, draft.vocab_size)
+  first, first_q = sample(0, logits[:, -1])
 
-  def sample(j, logits):
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(step_keys)
-    return jax.vmap(sample_draft)(keys, logits, params)
-
-  first = sample(0, logits[:, -1])
-
-  def step(carry, j):
-    token, position, cache = carry
-    position = jnp.minimum(position + 1, cache_len - 1)
+  def step(j, token, carry):
+    cache = carry
+    position = jnp.minimum(last + j, cache_len - 1)
     logits, cache = draft.apply(draft_params, token[:, None], position[:, None], cache)
-    out = sample(j, logits[:, 0])
-    return (out.token, position, cache), out
+    token, q = sample(j, logits[:, 0])
+    return token, q, cache
 
-  (_, _, cache), rest = lax.scan(step, (first.token, last, cache),
-                                 jnp.arange(1, gamma, dtype=jnp.int32))
-  draft_tokens = jnp.concatenate([first.token[:, None], jnp.swapaxes(rest.token, 0, 1)], axis=1)
-  q = jnp.concatenate([first.probs[:, None], jnp.swapaxes(rest.probs, 0, 1)], axis=1)
-  return draft_tokens, q, cache
+  return run_ahead(step, first, first_q, cache, gamma=gamma,
+                   steps=gamma if steps is None else steps)
 
 
-def lookup_row(row: jax.Array, length: jax.Array, spec: PromptLookup, gamma: int) -> jax.Array:
-  """Prompt-lookup proposals for one row ``(max_len,)`` of length ``length``: ``(gamma,)``.
+def propose_features(draft: FeatureFns, draft_params, state, tokens, lengths, step_keys, params,
+                     *, gamma: int, cache_len: int, vocab: int, steps=None):
+  """Up to ``gamma`` proposals from a :class:`FeatureDraft`: a sync call, then single steps.
+
+  ``state = (cache, features (B, gamma + 1, D), start (B,))``: the target's features at
+  positions ``start - 1 .. start + gamma - 1`` from its last call. The sync call feeds the
+  tokens at ``start .. start + gamma`` with those features; the output at ``L - 1`` (index
+  ``L - 1 - start``, within the window since the target emitted at most ``gamma + 1`` tokens)
+  gives the first proposal, and each further step feeds the last proposal with the draft's own
+  predicted feature. Slots past ``L - 1`` hold stale entries, overwritten before they are read.
+
+  Returns:
+    ``(draft (B, gamma) int32, q (B, gamma, V), cache)``.
+  """
+  cache, features, start = state
+  params_d, vocab_ids = draft_params
+  rows = batch_rows(tokens.shape[0])
+  window = jnp.arange(gamma + 1, dtype=jnp.int32)
+  positions = jnp.clip(start[:, None] + window[None], 0, cache_len - 1)
+  inputs = tokens[rows[:, None], jnp.clip(positions, 0, tokens.shape[1] - 1)]
+  logits, predicted, cache = draft.apply(params_d, model_ids(inputs, vocab), features, positions,
+                                         cache)
+  at = jnp.clip(lengths - 1 - start, 0, gamma)
+  sample = draft_sampler(step_keys, params, vocab, vocab_ids)
+  first, first_q = sample(0, logits[rows, at])
+  last = lengths - 1
+
+  def step(j, token, carry):
+    cache, feature = carry
+    position = jnp.minimum(last + j, cache_len - 1)[:, None]
+    logits, feature, cache = draft.apply(params_d, token[:, None], feature, position, cache)
+    token, q = sample(j, logits[:, 0])
+    return token, q, (cache, feature)
+
+  tokens_out, q, (cache, _) = run_ahead(step, first, first_q, (cache, predicted[rows, at][:, None]),
+                                        gamma=gamma, steps=gamma if steps is None else steps)
+  return tokens_out, q, cache
+
+
+def lookup_row(row: jax.Array, length: jax.Array, spec: PromptLookup, gamma: int):
+  """Prompt-lookup proposals for one row ``(max_len,)`` of length ``length``: ``(gamma,)``, and
+  whether an n-gram matched (bool ``()``).
 
   For the longest ``n`` with a match, the most recent start ``s`` with
   ``row[s : s + n] == row[L - n : L]`` and ``s + n <= L - 1`` gives the period
@@ -110,11 +224,12 @@ def lookup_row(row: jax.Array, length: jax.Array, spec: PromptLookup, gamma: int
     period = jnp.where(take, length - n - start, period)
     found = found | take
   j = jnp.arange(gamma, dtype=jnp.int32)
-  return row[jnp.clip(length - period + j % period, 0, size - 1)]
+  return row[jnp.clip(length - period + j % period, 0, size - 1)], found
 
 
 def propose_lookup(spec: PromptLookup, tokens, lengths, *, gamma: int, vocab: int):
-  """Prompt-lookup proposals with point-mass ``q``: ``(draft (B, gamma), q (B, gamma, V))``."""
-  draft = jax.vmap(lookup_row, in_axes=(0, 0, None, None))(tokens, lengths, spec, gamma)
+  """Prompt-lookup proposals with point-mass ``q``: ``(draft (B, gamma), q (B, gamma, V),
+  found (B,))``, ``found`` telling the rows where an n-gram matched."""
+  draft, found = jax.vmap(lookup_row, in_axes=(0, 0, None, None))(tokens, lengths, spec, gamma)
   draft = model_ids(draft, vocab)
-  return draft, jax.nn.one_hot(draft, vocab, dtype=jnp.float32)
+  return draft, jax.nn.one_hot(draft, vocab, dtype=jnp.float32), found

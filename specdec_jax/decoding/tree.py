@@ -291,7 +291,7 @@ def tree_model_fns(model: Model, name: str, arg: str) -> TreeFns:
       f"{name}: `{arg}` must provide `tree_apply` and `copy_slots` (tree attention; see "
       f"specdec_jax.models.protocol), got a Model named {model.name!r} without them."
     )
-  return TreeFns(*fns, model.tree_apply, model.copy_slots)
+  return TreeFns(fns.apply, fns.init_cache, fns.vocab_size, model.tree_apply, model.copy_slots)
 
 
 def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Array,

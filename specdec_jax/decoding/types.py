@@ -94,6 +94,7 @@ class ModelFns(NamedTuple):
   apply: Callable[..., Any]
   init_cache: Callable[[int, int], Any]
   vocab_size: int
+  apply_features: Callable[..., Any] | None = None
 
 
 class Common(NamedTuple):
@@ -146,6 +147,8 @@ class SpecState(NamedTuple):
     proposed_at: int32 ``(B, gamma)`` (``(B, depth)`` for a tree).
     accepted_at: int32 ``(B, gamma)`` (``(B, depth)`` for a tree).
     error: int32 ``(B,)``.
+    adapt: float32 ``(B, 2)`` decayed accepted / rejected counts of adaptive speculation
+      (:mod:`specdec_jax.decoding.adaptive`; zeros when it is off).
   """
 
   tokens: jax.Array
@@ -161,3 +164,4 @@ class SpecState(NamedTuple):
   proposed_at: jax.Array
   accepted_at: jax.Array
   error: jax.Array
+  adapt: Any = None

@@ -185,7 +185,7 @@ def _check_config(c: LlamaConfig) -> None:
 # The JAX forward.
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight`` over the last axis."""
   mean_sq = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
   return x * lax.rsqrt(mean_sq + eps) * weight.reshape((1,) * (x.ndim - 1) + (-1,))
@@ -198,6 +198,13 @@ def _rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
   )
 
 
+def rope_angles(positions: jax.Array, config: LlamaConfig) -> tuple[jax.Array, jax.Array]:
+  """``(cos, sin)`` of the RoPE angles of ``positions (B, T)``: each ``(B, T, head_dim / 2)``."""
+  inv_freq = jnp.asarray(_rope_inv_freq(config.head_dim, config.rope_theta))
+  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
+  return jnp.cos(angles), jnp.sin(angles)
+
+
 def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """Rotate-half RoPE: pairs ``(i, i + hd/2)`` of ``x (B, T, N, hd)`` by angles ``(B, T, hd/2)``."""
   x1, x2 = jnp.split(x, 2, axis=-1)
@@ -205,7 +212,7 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def _layer(
+def decoder_layer(
   config: LlamaConfig,
   w: LayerParams,
   x: jax.Array,
@@ -225,7 +232,7 @@ def _layer(
   B, T, _ = x.shape
   G = c.n_heads // c.n_kv_heads
 
-  h = _rms_norm(x, w.attn_norm, c.norm_eps)
+  h = rms_norm(x, w.attn_norm, c.norm_eps)
   q = jnp.einsum("btd,dn->btn", h, w.wq).reshape(B, T, c.n_heads, c.head_dim)
   k = jnp.einsum("btd,dn->btn", h, w.wk).reshape(B, T, c.n_kv_heads, c.head_dim)
   v = jnp.einsum("btd,dn->btn", h, w.wv).reshape(B, T, c.n_kv_heads, c.head_dim)
@@ -248,7 +255,7 @@ def _layer(
   attn = jnp.einsum("bkgts,bksd->btkgd", probs, v_cache).reshape(B, T, c.n_heads * c.head_dim)
   x = x + jnp.einsum("btn,nd->btd", attn, w.wo)
 
-  h = _rms_norm(x, w.mlp_norm, c.norm_eps)
+  h = rms_norm(x, w.mlp_norm, c.norm_eps)
   gate = jnp.einsum("btd,df->btf", h, w.w_gate)
   up = jnp.einsum("btd,df->btf", h, w.w_up)
   x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down)
@@ -257,11 +264,12 @@ def _layer(
 
 def _forward(params: LlamaParams, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
              visible: jax.Array, cache: KVCache, config: LlamaConfig,
-             layers: tuple[int, ...] | None) -> tuple[jax.Array, KVCache]:
+             layers: tuple[int, ...] | None) -> tuple[jax.Array, jax.Array, KVCache]:
   """The forward shared by :func:`llama_apply` and :func:`llama_tree_apply`.
 
   Token ``(b, t)`` is rotated by ``positions[b, t]``, written to ``slots[b, t]`` and attends to
-  the slots ``s`` with ``visible[b, t, s]``.
+  the slots ``s`` with ``visible[b, t, s]``. Returns ``(logits, features, cache)``: the
+  features are the final-normed hidden states ``(B, T, D)`` the head reads.
   """
   c = config
   layer_ids = tuple(range(c.n_layers)) if layers is None else tuple(layers)
@@ -269,30 +277,26 @@ def _forward(params: LlamaParams, tokens: jax.Array, positions: jax.Array, slots
     raise ValueError(f"cache has {cache.k.shape[0]} layers but {len(layer_ids)} are run")
   x = jnp.take(params.embed, tokens, axis=0, mode="fill", fill_value=jnp.nan)  # (B, T, D)
 
-  angles = (
-    positions.astype(jnp.float32)[:, :, None]
-    * jnp.asarray(_rope_inv_freq(c.head_dim, c.rope_theta))[None, None, :]
-  )
-  cos, sin = jnp.cos(angles), jnp.sin(angles)  # (B, T, hd/2)
+  cos, sin = rope_angles(positions, c)  # (B, T, hd/2)
 
   # Scan over the layers run; the weights of layer layer_ids[j] are read by a dynamic index
   # into the stacked arrays (no gathered copy of a layer subset), cache entry j is updated.
   def body(carry, xs):
     j, layer = xs
     w = jax.tree.map(lambda a: a[layer], params.layers)
-    return _layer(c, w, *carry, j, slots, visible, cos, sin), None
+    return decoder_layer(c, w, *carry, j, slots, visible, cos, sin), None
 
   xs = (jnp.arange(len(layer_ids), dtype=jnp.int32), jnp.asarray(layer_ids, jnp.int32))
   (x, cache), _ = lax.scan(body, (x, cache), xs)
 
-  x = _rms_norm(x, params.final_norm, c.norm_eps)
+  x = rms_norm(x, params.final_norm, c.norm_eps)
   head = params.embed if params.output is None else params.output
   logits = jnp.einsum("btd,vd->btv", x, head)
   # A token whose slot is outside the cache was not written (the write is dropped): its
   # logits would silently differ from the true ones, so they are NaN (like those of an
   # out-of-range token id), which every loop and verifier reading them reports.
   outside = (slots < 0) | (slots >= cache.k.shape[3])
-  return jnp.where(outside[..., None], jnp.nan, logits), cache
+  return jnp.where(outside[..., None], jnp.nan, logits), x, cache
 
 
 def llama_apply(
@@ -328,6 +332,37 @@ def llama_apply(
   positions = jnp.asarray(positions, jnp.int32)
   size = cache.k.shape[3]
   visible = jnp.arange(size, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # (B, T, S)
+  logits, _, cache = _forward(params, tokens, positions, positions, visible, cache, config,
+                              layers)
+  return logits, cache
+
+
+def llama_apply_features(
+  params: LlamaParams,
+  tokens: jax.Array,
+  positions: jax.Array,
+  cache: KVCache,
+  *,
+  config: LlamaConfig,
+  layers: tuple[int, ...] | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+  """:func:`llama_apply` that also returns the hidden states the output head reads.
+
+  The protocol's ``Model.apply_features``, for drafts that read the target's features
+  (EAGLE, :class:`~specdec_jax.models.eagle.EagleConfig`).
+
+  Returns:
+    ``(logits (B, T, V), features (B, T, D), cache)``: ``features`` are the final-normed hidden
+    states, so ``logits = features @ head.T``.
+
+  Reference:
+    Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty",
+    arXiv:2401.15077 (the draft reads the target's top-layer features).
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = jnp.asarray(positions, jnp.int32)
+  size = cache.k.shape[3]
+  visible = jnp.arange(size, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
   return _forward(params, tokens, positions, positions, visible, cache, config, layers)
 
 
@@ -376,7 +411,8 @@ def llama_tree_apply(
   in_tree = jnp.moveaxis(in_tree, 1, 0)  # (B, T, S)
   visible = (rel[:, None, :] < 0) | ((rel[:, None, :] < width) & in_tree)
   slots = start + nodes[None, :]
-  return _forward(params, tokens, positions, slots, visible, cache, config, layers)
+  logits, _, cache = _forward(params, tokens, positions, slots, visible, cache, config, layers)
+  return logits, cache
 
 
 def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -455,16 +491,17 @@ def make_model(
       layer_ids = None  # all layers: the same functions as the full model
   if name is None:
     name = "llama" if layer_ids is None else f"llama[{len(layer_ids)}/{config.n_layers} layers]"
-  apply, make_cache, tree_apply = _functions(config, layer_ids)
+  apply, make_cache, tree_apply, apply_features = _functions(config, layer_ids)
   return Model(
     params=params, apply=apply, init_cache=make_cache, vocab_size=config.vocab_size, name=name,
     tree_apply=tree_apply, copy_slots=_copy_slots_jit, context_length=config.max_position,
+    apply_features=apply_features,
   )
 
 
 @functools.cache
 def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
-  """``(apply, init_cache, tree_apply)`` for a config and layer subset, built once, then shared.
+  """``(apply, init_cache, tree_apply, apply_features)`` for a config and layer subset, built once.
 
   Models of the same shape get the same function objects, so a loop that takes them as static
   (hashed) arguments compiles once for all of them.
@@ -472,9 +509,11 @@ def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
   n_run = config.n_layers if layers is None else len(layers)
   apply = jax.jit(functools.partial(llama_apply, config=config, layers=layers))
   tree_apply = jax.jit(functools.partial(llama_tree_apply, config=config, layers=layers))
+  features = jax.jit(functools.partial(llama_apply_features, config=config, layers=layers))
   return (_checked_apply(apply, config.vocab_size), functools.partial(init_cache, config,
                                                                        n_layers=n_run),
-          _checked_tree_apply(tree_apply, config.vocab_size))
+          _checked_tree_apply(tree_apply, config.vocab_size),
+          _checked_apply(features, config.vocab_size))
 
 
 def _check_ids(fn: str, tokens, vocab: int) -> None:
@@ -526,79 +565,3 @@ def _checked_tree_apply(tree_apply, vocab: int):
 
 
 _copy_slots_jit = jax.jit(copy_slots)
-
-
-# ----------------------------------------------------------------------------------------------
-# The NumPy reference forward.
-
-
-def reference_logits(
-  params: LlamaParams,
-  config: LlamaConfig,
-  tokens: Sequence[int] | np.ndarray,
-  *,
-  layers: Sequence[int] | None = None,
-  dtype: type = np.float64,
-) -> np.ndarray:
-  """A plain NumPy Llama forward over one whole sequence at positions ``0 .. T-1`` (no cache).
-
-  Written to be read against the paper and Hugging Face's ``LlamaForCausalLM``, not to be
-  fast; it checks :func:`llama_apply`.
-
-  Args:
-    params: :class:`LlamaParams` (JAX or NumPy arrays).
-    config: the model shape.
-    tokens: ``(T,)`` token ids.
-    layers: the layer indices to run (``None``: all), as in :func:`make_model`.
-    dtype: the float type to compute in (float64 by default).
-
-  Returns:
-    ``(T, V)`` next-token logits, of ``dtype``.
-  """
-  c = config
-  tokens = np.asarray(tokens, np.int64)
-  T = tokens.shape[0]
-  hd, half = c.head_dim, c.head_dim // 2
-  group = c.n_heads // c.n_kv_heads
-
-  def f(a):
-    return np.asarray(a, dtype)
-
-  def rms_norm(x, weight):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.norm_eps) * f(weight)
-
-  # RoPE angle of position t and frequency i: t * theta^(-2i / hd); dimension i of a head is
-  # rotated together with dimension i + hd/2 (the rotate-half pairing).
-  inv_freq = 1.0 / c.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / hd)
-  angle = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]  # (T, hd/2)
-  cos, sin = f(np.cos(angle))[:, None, :], f(np.sin(angle))[:, None, :]
-
-  def rope(v):  # (T, n_heads, hd)
-    a, b = v[..., :half], v[..., half:]
-    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-
-  causal = np.tril(np.ones((T, T), dtype=bool))  # query t sees keys 0 .. t
-  x = f(params.embed)[tokens]  # (T, D)
-  lw = params.layers
-  for layer in range(c.n_layers) if layers is None else layers:
-    h = rms_norm(x, lw.attn_norm[layer])
-    q = rope((h @ f(lw.wq[layer])).reshape(T, c.n_heads, hd))
-    k = rope((h @ f(lw.wk[layer])).reshape(T, c.n_kv_heads, hd))
-    v = (h @ f(lw.wv[layer])).reshape(T, c.n_kv_heads, hd)
-    heads = []
-    for head in range(c.n_heads):
-      kv = head // group
-      scores = q[:, head] @ k[:, kv].T / np.sqrt(hd)  # (T, T)
-      scores = np.where(causal, scores, -np.inf)
-      weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-      weights /= weights.sum(axis=-1, keepdims=True)
-      heads.append(weights @ v[:, kv])  # (T, hd)
-    x = x + np.concatenate(heads, axis=-1) @ f(lw.wo[layer])
-
-    h = rms_norm(x, lw.mlp_norm[layer])
-    gate, up = h @ f(lw.w_gate[layer]), h @ f(lw.w_up[layer])
-    x = x + (gate / (1 + np.exp(-gate)) * up) @ f(lw.w_down[layer])
-
-  x = rms_norm(x, params.final_norm)
-  head = params.embed if params.output is None else params.output
-  return x @ f(head).T

@@ -54,6 +54,10 @@ class Model(NamedTuple):
     tree_apply: optional tree-attention forward (see the module docstring); needed by
       :func:`~specdec_jax.decoding.tree_speculative_generate`.
     copy_slots: optional ``copy_slots(cache, src, dst) -> cache``; needed with ``tree_apply``.
+    apply_features: optional ``apply_features(params, tokens, positions, cache) -> (logits,
+      features (B, T, D), cache)``: ``apply`` that also returns the hidden states the output
+      head reads. Needed of a *target* whose draft reads its features
+      (:class:`~specdec_jax.decoding.FeatureDraft`, EAGLE); other loops never call it.
     context_length: optional number of positions the model was trained for (its context
       window). The decoding loops never generate past it: a budget that does not fit raises
       when the lengths are concrete, and rows that reach it stop with ``OUT_OF_ROOM``.
@@ -67,3 +71,4 @@ class Model(NamedTuple):
   tree_apply: Callable[..., Any] | None = None
   copy_slots: Callable[..., Any] | None = None
   context_length: int | None = None
+  apply_features: Callable[..., Any] | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specdec_jax.decoding.drafts import FeatureDraft
 from specdec_jax.models.protocol import Model
 
 
@@ -31,6 +32,18 @@ def _apply_trigram(params, tokens, positions, cache):
   prev = cache[rows, jnp.clip(prev_pos, 0, cache.shape[1] - 1)]
   prev = jnp.where(prev_pos >= 0, prev, vocab)
   return table[prev, tokens].astype(jnp.float32), cache
+
+
+def _features_trigram(params, tokens, positions, cache):
+  """``apply`` plus features: ``concat(one_hot(previous token, V + 1), one_hot(token, V))``."""
+  vocab = params["table"].shape[-1]
+  rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
+  logits, cache = _apply_trigram(params, tokens, positions, cache)
+  prev_pos = positions - 1
+  prev = cache[rows, jnp.clip(prev_pos, 0, cache.shape[1] - 1)]
+  prev = jnp.where(prev_pos >= 0, prev, vocab)
+  features = jnp.concatenate([jax.nn.one_hot(prev, vocab + 1), jax.nn.one_hot(tokens, vocab)], -1)
+  return logits, features, cache
 
 
 def _apply_bigram(params, tokens, positions, cache):
@@ -111,7 +124,47 @@ def make_toy_model(key: jax.Array, vocab_size: int, *, context: int = 2, scale: 
   tree_apply = _tree_apply_trigram if context == 2 else _tree_apply_bigram
   label = name or ("trigram" if context == 2 else "bigram")
   return Model(params={"table": table}, apply=apply, init_cache=_init_cache,
-               vocab_size=vocab_size, name=label, tree_apply=tree_apply, copy_slots=_copy_slots)
+               vocab_size=vocab_size, name=label, tree_apply=tree_apply, copy_slots=_copy_slots,
+               apply_features=_features_trigram if context == 2 else None)
 
 
-__all__ = ("make_toy_model",)
+def _feature_draft_apply(params, tokens, features, positions, cache):
+  """The toy feature draft: the previous token is read off the feature ``f[t - 1]``."""
+  del positions
+  table, ids = params["table"], params["ids"]
+  vocab = table.shape[-1]
+  second = features[..., vocab + 1:]
+  prev = jnp.where(second.sum(-1) > 0, jnp.argmax(second, -1), vocab)  # zeros: before the start
+  logits = table[prev, tokens][..., ids]
+  predicted = jnp.concatenate([jax.nn.one_hot(prev, vocab + 1), jax.nn.one_hot(tokens, vocab)],
+                              -1)
+  return logits, predicted, cache
+
+
+def make_toy_feature_draft(target: Model, *, noise: float = 0.0, key: jax.Array | None = None,
+                           vocab_ids=None, name: str = "toy feature draft") -> FeatureDraft:
+  """A :class:`~specdec_jax.decoding.FeatureDraft` for a trigram toy target (tests, examples).
+
+  The target's features (``apply_features``) are ``concat(one_hot(x[t - 1]), one_hot(x[t]))``;
+  the draft reads ``x[t - 1]`` off ``f[t - 1]`` and looks up the target's table, plus
+  ``noise * normal(key)``, over ``vocab_ids`` (default: all). With no noise and the whole
+  vocabulary it is the target itself, *if* the loop hands it the right features: every
+  proposal is then accepted, which tests the feature plumbing.
+
+  Example:
+    >>> import jax
+    >>> target = make_toy_model(jax.random.key(0), vocab_size=5)
+    >>> make_toy_feature_draft(target).vocab_ids.tolist()
+    [0, 1, 2, 3, 4]
+  """
+  table = target.params["table"]
+  vocab = table.shape[-1]
+  if noise:
+    table = table + noise * jax.random.normal(key, table.shape, table.dtype)
+  ids = jnp.arange(vocab, dtype=jnp.int32) if vocab_ids is None else jnp.asarray(vocab_ids,
+                                                                                jnp.int32)
+  return FeatureDraft(params={"table": table, "ids": ids}, apply=_feature_draft_apply,
+                      init_cache=_init_cache, vocab_ids=ids, name=name)
+
+
+__all__ = ("make_toy_feature_draft", "make_toy_model")

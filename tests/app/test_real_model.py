@@ -22,6 +22,7 @@ import numpy as np
 
 from specdec_jax.app import smollm2 as smollm2_lib
 from specdec_jax.models import llama
+from specdec_jax.models import llama_reference
 
 SENTENCE = (
   "When I arrived at the station, the train had already left, so I had to wait an hour for the "
@@ -86,7 +87,7 @@ def test_perplexity_jax_matches_numpy_reference(smollm2):
   params, config, tok = smollm2
   ids = tok.encode(SENTENCE)
   jax_logits = _jax_logits(params, config, ids)
-  ref_logits = llama.reference_logits(params, config, ids)
+  ref_logits = llama_reference.reference_logits(params, config, ids)
   ppl_jax, ppl_ref = _perplexity(jax_logits, ids), _perplexity(ref_logits, ids)
   print(f"perplexity of {SENTENCE!r} ({len(ids)} tokens): JAX {ppl_jax:.3f}, NumPy {ppl_ref:.3f}")
   assert ppl_jax == pytest.approx(ppl_ref, rel=0.05)

@@ -378,8 +378,9 @@ def test_lookup_proposals():
   for row, length, max_ngram, expected in LOOKUP_CASES:
     # Junk after the row's length must not matter (it may hold stale tokens).
     padded = jnp.asarray(row + [1, 2, 3, 9, 4, 1, 2, 8][: 12 - len(row)], jnp.int32)
-    got = lookup(padded, jnp.int32(length), PromptLookup(max_ngram=max_ngram), 5)
+    got, found = lookup(padded, jnp.int32(length), PromptLookup(max_ngram=max_ngram), 5)
     assert got.tolist() == expected, (row, max_ngram)
+    assert bool(found) == (expected != [row[length - 1]] * 5 or row == [5, 5, 5, 5]), row
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 
 from specdec_jax.app.gguf import unpermute_rope_rows
 from specdec_jax.models import llama
+from specdec_jax.models import llama_reference
 from specdec_jax.models.protocol import Model
 
 REF_TOL = {"atol": 1e-4, "rtol": 1e-4}  # float32 JAX vs float64 NumPy
@@ -101,7 +102,7 @@ def test_model_protocol(setup):
 @pytest.mark.parametrize("fixture", ["setup", "tied"])
 def test_matches_numpy_reference(fixture, request):
   config, params, model, tokens = request.getfixturevalue(fixture)
-  reference = llama.reference_logits(params, config, tokens)
+  reference = llama_reference.reference_logits(params, config, tokens)
   assert reference.shape == (T_FULL, config.vocab_size)
   assert reference.std() > 0.3  # logits that actually vary
   np.testing.assert_allclose(_full(model, tokens), reference, **REF_TOL)
@@ -159,7 +160,7 @@ def test_layer_subset_equals_model_with_only_those_layers(setup):
   logits, _ = _chunked(draft, tokens, 3)
   np.testing.assert_allclose(logits, expected, **JAX_TOL)
   np.testing.assert_allclose(
-    expected, llama.reference_logits(params, config, tokens, layers=subset), **REF_TOL
+    expected, llama_reference.reference_logits(params, config, tokens, layers=subset), **REF_TOL
   )
   assert not np.allclose(expected, _full(llama.make_model(params, config), tokens), atol=1e-2)
   with pytest.raises(ValueError, match="out of range"):

@@ -1,0 +1,194 @@
+"""An EAGLE-style draft for a Llama target: one decoder layer on the target's features.
+
+The draft (Li et al. 2024, EAGLE, arXiv:2401.15077) predicts the target's next top-layer
+feature rather than its next token. At position ``t`` it reads the target's feature
+``f[t - 1]`` (the final-normed hidden state the target's head read at ``t - 1``) and the
+embedding of the token ``x[t]``:
+
+  ``g[t] = Layer(concat(embed(x[t]), f[t - 1]) @ fc)``,   ``logits[t] = g[t] @ head.T``
+
+``g[t]`` stands in for ``f[t]``: it is fed back as the next step's feature while the draft runs
+ahead of the target, and the target's own features replace it once the target has scored the
+tokens. The layer is a Llama decoder block of the target's width with its own small KV cache;
+the token embedding is the target's (shared, not stored); the head is a frequency-ranked subset
+of the target's own output rows (FR-Spec, Zhao et al. 2025, arXiv:2502.14856), so a draft step
+does not pay for the full vocabulary. Tokens outside the subset get ``q = 0``, which the
+verification rule handles exactly.
+
+Stored weights (:func:`save_eagle` / :func:`load_eagle`) hold only ``fc``, the layer and the
+subset's token ids, in float16; :func:`make_eagle_draft` joins them to the target's arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.decoding.drafts import FeatureDraft
+from specdec_jax.models.llama import KVCache
+from specdec_jax.models.llama import LayerParams
+from specdec_jax.models.llama import LlamaConfig
+from specdec_jax.models.llama import LlamaParams
+from specdec_jax.models.llama import decoder_layer
+from specdec_jax.models.llama import init_cache as llama_init_cache
+from specdec_jax.models.llama import rope_angles
+
+
+class EagleWeights(NamedTuple):
+  """The draft's own trained arrays (what is stored).
+
+  Attributes:
+    fc: ``(2 D, D)``: ``concat(embedding, feature) @ fc`` is the layer's input.
+    layer: :class:`~specdec_jax.models.llama.LayerParams` of one layer (leading axis 1).
+  """
+
+  fc: jax.Array
+  layer: LayerParams
+
+
+class EagleParams(NamedTuple):
+  """Everything the draft's forward reads (a pytree of arrays).
+
+  Attributes:
+    weights: :class:`EagleWeights`.
+    embed: ``(V, D)`` the target's token embedding (shared with the target).
+    head: ``(K, D)`` the target's output rows of the draft vocabulary.
+  """
+
+  weights: EagleWeights
+  embed: jax.Array
+  head: jax.Array
+
+
+def layer_config(target: LlamaConfig) -> LlamaConfig:
+  """The shape of the draft's single decoder layer: the target's width, one layer."""
+  return target._replace(n_layers=1)
+
+
+def init_weights(key: jax.Array, target: LlamaConfig) -> EagleWeights:
+  """Fresh weights: ``fc`` maps the feature half to itself (the draft starts as "copy the
+  feature, apply the layer"), the layer is small so the residual path dominates."""
+  c = layer_config(target)
+  d = c.dim
+  n_q, n_kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  keys = iter(jax.random.split(key, 8))
+
+  def dense(shape, scale=0.02):
+    return scale * jax.random.normal(next(keys), shape, jnp.float32)
+
+  fc = jnp.concatenate([dense((d, d)), jnp.eye(d, dtype=jnp.float32)], axis=0)
+  layer = LayerParams(
+    attn_norm=jnp.ones((1, d)), wq=dense((1, d, n_q)), wk=dense((1, d, n_kv)),
+    wv=dense((1, d, n_kv)), wo=dense((1, n_q, d)), mlp_norm=jnp.ones((1, d)),
+    w_gate=dense((1, d, c.ffn_dim)), w_up=dense((1, d, c.ffn_dim)),
+    w_down=dense((1, c.ffn_dim, d)))
+  return EagleWeights(fc=fc, layer=layer)
+
+
+def eagle_apply(params: EagleParams, tokens: jax.Array, features: jax.Array, positions: jax.Array,
+                cache: KVCache, *, config: LlamaConfig) -> tuple[jax.Array, jax.Array, KVCache]:
+  """The draft's forward over ``T`` tokens per row: ``FeatureDraft.apply``.
+
+  Args:
+    params: :class:`EagleParams`.
+    tokens: int32 ``(B, T)`` target token ids ``x[t]``.
+    features: float32 ``(B, T, D)``: ``f[t - 1]``, the target's (or the draft's own predicted)
+      feature at the position before each token.
+    positions: int32 ``(B, T)``: the position ``t`` of each token; written to cache slot ``t``,
+      attends to slots ``0 .. t`` (rollback by length, as the Llama's cache).
+    cache: :class:`~specdec_jax.models.llama.KVCache` of one layer.
+    config: the draft layer's shape (:func:`layer_config`).
+
+  Returns:
+    ``(logits (B, T, K), features (B, T, D), cache)``: logits over the draft vocabulary and the
+    predicted features ``g[t]``.
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = jnp.asarray(positions, jnp.int32)
+  e = jnp.take(params.embed, tokens, axis=0, mode="clip")
+  x = jnp.concatenate([e, features.astype(jnp.float32)], axis=-1) @ params.weights.fc
+  cos, sin = rope_angles(positions, config)
+  size = cache.k.shape[3]
+  visible = jnp.arange(size, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+  w = jax.tree.map(lambda a: a[0], params.weights.layer)
+  g, cache = decoder_layer(config, w, x, cache, jnp.int32(0), positions, visible, cos, sin)
+  return g @ params.head.T, g, cache
+
+
+def make_eagle_draft(weights: EagleWeights, vocab_ids: np.ndarray | jax.Array,
+                     target_params: LlamaParams, target_config: LlamaConfig, *,
+                     name: str = "eagle") -> FeatureDraft:
+  """Join trained draft weights to the target's arrays: a :class:`FeatureDraft`.
+
+  Args:
+    weights: :class:`EagleWeights`.
+    vocab_ids: int ``(K,)`` distinct target token ids, the draft vocabulary.
+    target_params: the target's :class:`~specdec_jax.models.llama.LlamaParams` (its embedding
+      and output rows are read, not copied into the stored weights).
+    target_config: the target's shape.
+    name: label for tables.
+
+  Returns:
+    :class:`~specdec_jax.decoding.FeatureDraft` for
+    :func:`~specdec_jax.decoding.speculative_generate` (with a target that has
+    ``apply_features``).
+
+  Example:
+    >>> import jax
+    >>> from specdec_jax.models import llama
+    >>> c = llama.LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+    ...                       head_dim=8, ffn_dim=32)
+    >>> p = llama.init_params(jax.random.key(0), c)
+    >>> draft = make_eagle_draft(init_weights(jax.random.key(1), c), range(8), p, c)
+    >>> draft.params.head.shape
+    (8, 16)
+
+  Reference:
+    Li et al., "EAGLE", arXiv:2401.15077; Zhao et al., "FR-Spec", arXiv:2502.14856.
+  """
+  ids = np.asarray(vocab_ids, np.int64)
+  v = target_config.vocab_size
+  if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= v or (
+      np.unique(ids).size != ids.size):
+    raise ValueError(f"make_eagle_draft: `vocab_ids` must be distinct ids in [0, {v}), got "
+                     f"shape {ids.shape} with range [{ids.min(initial=0)}, {ids.max(initial=0)}].")
+  head_all = target_params.embed if target_params.output is None else target_params.output
+  ids = jnp.asarray(ids, jnp.int32)
+  params = EagleParams(weights=jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), weights),
+                       embed=target_params.embed, head=jnp.take(head_all, ids, axis=0))
+  apply, cache = _functions(layer_config(target_config))
+  return FeatureDraft(params=params, apply=apply, init_cache=cache, vocab_ids=ids, name=name)
+
+
+@functools.cache
+def _functions(config: LlamaConfig):
+  apply = jax.jit(functools.partial(eagle_apply, config=config))
+  return apply, functools.partial(llama_init_cache, config, n_layers=1)
+
+
+def save_eagle(path: str | Path, weights: EagleWeights, vocab_ids: np.ndarray) -> None:
+  """Store the draft compactly: float16 arrays and int32 ids in one ``.npz``."""
+  arrays = {"fc": np.asarray(weights.fc, np.float16),
+            "vocab_ids": np.asarray(vocab_ids, np.int32)}
+  for field, value in weights.layer._asdict().items():
+    arrays[f"layer.{field}"] = np.asarray(value, np.float16)
+  np.savez_compressed(path, **arrays)
+
+
+def load_eagle(path: str | Path) -> tuple[EagleWeights, np.ndarray]:
+  """Read what :func:`save_eagle` wrote: ``(weights (float32), vocab_ids)``."""
+  with np.load(path) as z:
+    layer = LayerParams(**{f: jnp.asarray(z[f"layer.{f}"], jnp.float32)
+                           for f in LayerParams._fields})
+    return EagleWeights(fc=jnp.asarray(z["fc"], jnp.float32), layer=layer), z["vocab_ids"]
+
+
+def num_weights(weights: EagleWeights) -> int:
+  """How many numbers the stored draft holds (its size is twice this in bytes, float16)."""
+  return sum(math.prod(a.shape) for a in jax.tree.leaves(weights))

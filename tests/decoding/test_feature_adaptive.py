@@ -1,0 +1,264 @@
+"""Feature drafts (EAGLE), adaptive speculation and streamed output of the chain loop.
+
+The toy trigram target exposes features ``concat(one_hot(x[t - 1]), one_hot(x[t]))``; the toy
+feature draft reads ``x[t - 1]`` off the feature it is handed, so without noise it *is* the
+target exactly when the loop hands it the right features (every proposal accepted), and with
+noise or a reduced vocabulary it is an imperfect draft with ragged acceptance.
+
+Chi-square tests: fixed seeds, family-wise ``ALPHA = 0.01`` over the exactness tests of this
+module (Bonferroni over ``NUM_EXACT_TESTS``); each negative control must be rejected at 1e-6.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec_jax import SamplingParams
+from specdec_jax import verify
+from specdec_jax.decoding import AdaptiveSpeculation
+from specdec_jax.decoding import PromptLookup
+from specdec_jax.decoding import generate
+from specdec_jax.decoding import speculative_generate
+from specdec_jax.decoding.adaptive import choose_num_draft
+from specdec_jax.decoding.adaptive import update_counts
+from specdec_jax.decoding.drafts import FeatureFns
+from specdec_jax.decoding.drafts import propose_features
+from specdec_jax.models.toy import make_toy_feature_draft
+from specdec_jax.models.toy import make_toy_model
+from specdec_jax.theory import chi_square_test
+from tests._helpers import exact_sequence_probs
+from tests._helpers import sequence_index
+
+ALPHA = 0.01
+NUM_EXACT_TESTS = 3
+GREEDY = SamplingParams(temperature=0.0)
+V = 16
+TARGET = make_toy_model(jax.random.key(0), V, name="target")
+PERFECT = make_toy_feature_draft(TARGET)
+NOISY = make_toy_feature_draft(TARGET, noise=1.5, key=jax.random.key(3),
+                               vocab_ids=np.arange(12))
+POLICY = AdaptiveSpeculation(draft_cost=0.05, verify_cost=0.04, fixed_cost=0.1)
+PROMPTS = np.array([
+  [3, 7, 3, 7, 3, 7],
+  [5, 9, 9, 9, 9, 9],
+  [1, 2, 3, 1, 2, 9],
+  [8, 9, 9, 9, 9, 9],
+  [4, 4, 0, 9, 9, 9],
+], np.int32)
+PROMPT_LENGTHS = np.array([6, 1, 5, 1, 3], np.int32)
+MAX_NEW = 12
+
+
+@functools.cache
+def _plain(temperature: float = 0.0, seed: int = 0):
+  return generate(TARGET, PROMPTS, PROMPT_LENGTHS, jax.random.key(seed), max_new_tokens=MAX_NEW,
+                  params=SamplingParams(temperature))
+
+
+def _run(draft, *, adaptive=None, verifier="token", gamma=3, temperature=0.0, seed=0, **kw):
+  return speculative_generate(TARGET, draft, PROMPTS, PROMPT_LENGTHS, jax.random.key(seed),
+                              gamma=gamma, max_new_tokens=MAX_NEW,
+                              params=SamplingParams(temperature), verifier=verifier,
+                              adaptive=adaptive, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Feature drafts.
+
+
+def test_features_reach_the_draft_at_the_right_positions():
+  """propose_features feeds position ``t`` the feature of ``t - 1`` and runs ahead on its own."""
+  gamma, vocab = 3, 32
+
+  def apply(params, tokens, features, positions, cache):
+    # position t must be handed the feature of t - 1
+    ok = jnp.all(features[..., 0] == (positions - 1).astype(features.dtype))
+    logits = jax.nn.one_hot((positions + 1) % vocab, vocab) * 50.0
+    return jnp.where(ok, logits, jnp.nan), features + 1.0, cache
+
+  fns = FeatureFns(apply, lambda b, n: jnp.zeros((b, n)), vocab)
+  lengths = jnp.array([7, 9], jnp.int32)
+  start = jnp.array([5, 6], jnp.int32)  # the target last scored positions start - 1 ..
+  feats = (start[:, None] - 1 + jnp.arange(gamma + 1)[None]).astype(jnp.float32)[..., None]
+  tokens = jnp.zeros((2, 20), jnp.int32)
+  keys = jax.random.split(jax.random.key(0), 2)
+  draft, q, _ = propose_features(fns, (None, jnp.arange(vocab)), (None, feats, start), tokens,
+                                 lengths, keys, SamplingParams(jnp.zeros(2)), gamma=gamma,
+                                 cache_len=24, vocab=vocab)
+  # Proposal j is the token after position L - 1 + j: position L + j.
+  np.testing.assert_array_equal(draft, lengths[:, None] + jnp.arange(gamma)[None])
+  assert not np.isnan(np.asarray(q)).any()
+
+
+@pytest.mark.parametrize("verifier", ["token", "block"])
+@pytest.mark.parametrize("adaptive", [None, POLICY], ids=["fixed", "adaptive"])
+def test_feature_draft_greedy_equals_plain(verifier, adaptive):
+  plain = _plain()
+  for draft in (PERFECT, NOISY):
+    out = _run(draft, adaptive=adaptive, verifier=verifier)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.error, 0)
+    stats = jax.tree.map(np.asarray, out.stats)
+    np.testing.assert_array_equal(stats.proposals, stats.proposed_at.sum(-1))
+    np.testing.assert_array_equal(out.num_new, stats.row_target_calls + stats.accepted)
+    if draft is PERFECT:  # the right features make it the target: everything is accepted
+      np.testing.assert_array_equal(stats.accepted, stats.proposals)
+      assert (stats.proposals >= 8).all()
+    else:
+      assert (stats.accepted < stats.proposals).any()
+
+
+def test_a_perfect_feature_draft_is_accepted_when_sampling():
+  out = _run(PERFECT, temperature=1.0, seed=4)
+  stats = jax.tree.map(np.asarray, out.stats)
+  np.testing.assert_array_equal(stats.accepted, stats.proposals)
+
+
+def test_feature_draft_errors():
+  no_features = TARGET._replace(apply_features=None)
+  with pytest.raises(ValueError, match="speculative_generate: a FeatureDraft reads the target"):
+    speculative_generate(no_features, PERFECT, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
+                         gamma=2, max_new_tokens=4)
+  bad = PERFECT._replace(vocab_ids=np.array([0, 0, 3]))
+  with pytest.raises(ValueError, match="`vocab_ids` must be distinct ids in"):
+    _run(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adaptive speculation.
+
+
+def test_choose_num_draft_follows_the_cost_model():
+  counts = jnp.array([[0.0, 8.0], [9.0, 0.0], [0.0, 0.0]])
+  np.testing.assert_array_equal(choose_num_draft(POLICY, counts, gamma=4), [0, 4, 3])
+  free = AdaptiveSpeculation(draft_cost=0.0, verify_cost=0.0, fixed_cost=0.0)
+  np.testing.assert_array_equal(choose_num_draft(free, counts, gamma=4), [4, 4, 4])
+  # Without proposals the counts decay towards the prior: the row probes again.
+  stuck = jnp.array([[0.0, 10.0]])
+  steps = 0
+  while int(choose_num_draft(POLICY, stuck, gamma=4)[0]) == 0:
+    stuck = update_counts(POLICY, stuck, jnp.array([0]), jnp.array([0]), jnp.array([True]))
+    steps += 1
+  assert 1 <= steps <= 20
+
+
+@pytest.mark.parametrize("draft", ["lookup", "model"])
+def test_adaptive_greedy_equals_plain_and_saves_proposals(draft):
+  d = PromptLookup() if draft == "lookup" else make_toy_model(jax.random.key(1), V, context=1)
+  plain = _plain()
+  fixed = _run(d, gamma=4)
+  adaptive = _run(d, gamma=4, adaptive=POLICY)
+  np.testing.assert_array_equal(adaptive.tokens, plain.tokens)
+  np.testing.assert_array_equal(fixed.tokens, plain.tokens)
+  assert int(adaptive.stats.proposals.sum()) < int(fixed.stats.proposals.sum())
+  rate_fixed = fixed.stats.accepted.sum() / fixed.stats.proposals.sum()
+  rate_adaptive = adaptive.stats.accepted.sum() / max(int(adaptive.stats.proposals.sum()), 1)
+  assert rate_adaptive >= rate_fixed
+
+
+def test_adaptive_keeps_proposing_with_a_good_draft():
+  out = _run(PERFECT, gamma=3, adaptive=POLICY)
+  stats = jax.tree.map(np.asarray, out.stats)
+  assert (stats.proposals >= 8).all()  # 11 tokens after the prefill: 3 + 3 + 3 + 2 or so
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling exactness of whole sequences.
+
+EXACT_V = 4
+EXACT_NEW = 4
+EXACT_RUNS = 40_000
+EXACT_PARAMS = SamplingParams(0.8, top_k=3)
+EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
+EXACT_PROMPT = np.array([0, 1, 2, 0, 1], np.int32)
+EXACT_DRAFTS = {
+  "feature": make_toy_feature_draft(EXACT_TARGET, noise=1.0, key=jax.random.key(12),
+                                    vocab_ids=[0, 1, 3]),
+  "adaptive-lookup": PromptLookup(max_ngram=2),
+  "adaptive-feature": make_toy_feature_draft(EXACT_TARGET, noise=2.0, key=jax.random.key(13)),
+}
+EXACT_POLICY = AdaptiveSpeculation(draft_cost=0.05, verify_cost=0.04, fixed_cost=0.05,
+                                   decay=0.5)
+
+
+@functools.cache
+def _exact_probs() -> np.ndarray:
+  return exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS)
+
+
+def _wrong(p, q, draft, uniforms, *, num_draft):
+  """Negative control: q squared and renormalised, not the law the draft sampled from."""
+  q = q**2 / jnp.maximum(jnp.sum(q**2, axis=-1, keepdims=True), 1e-30)
+  q = jnp.where(jnp.max(q, axis=-1, keepdims=True) >= 1.0, jnp.full_like(q, 1 / q.shape[-1]), q)
+  return verify(p, q, draft, uniforms, num_draft=num_draft)
+
+
+def _sample(kind: str, verifier, seed: int):
+  prompt = np.tile(EXACT_PROMPT, (EXACT_RUNS, 1))
+  lengths = np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32)
+  out = speculative_generate(
+    EXACT_TARGET, EXACT_DRAFTS[kind], prompt, lengths, jax.random.key(seed), gamma=3,
+    max_new_tokens=EXACT_NEW, params=EXACT_PARAMS, verifier=verifier,
+    adaptive=EXACT_POLICY if kind.startswith("adaptive") else None)
+  np.testing.assert_array_equal(out.num_new, EXACT_NEW)
+  return np.asarray(out.tokens)[:, len(EXACT_PROMPT):], out
+
+
+@pytest.mark.parametrize("kind", list(EXACT_DRAFTS))
+def test_sampled_sequences_follow_target(kind):
+  probs = _exact_probs()
+  tokens, out = _sample(kind, "token", seed=100 + len(kind))
+  np.testing.assert_array_equal(out.error, 0)
+  stats = jax.tree.map(np.asarray, out.stats)
+  assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
+  if kind.startswith("adaptive"):  # the rows chose different proposal counts
+    assert len(set(stats.proposals.tolist())) > 1
+  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
+  _, _, pvalue, detail = chi_square_test(counts, probs)
+  assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{kind}: chi-square p = {pvalue:.3g}; {detail}"
+
+
+@pytest.mark.parametrize("kind", ["feature", "adaptive-feature"])
+def test_wrong_q_is_detected(kind):
+  probs = _exact_probs()
+  tokens, _ = _sample(kind, _wrong, seed=200 + len(kind))
+  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
+  _, _, pvalue, detail = chi_square_test(counts, probs)
+  assert pvalue < 1e-6, f"{kind}: the wrong q went undetected (p = {pvalue:.3g}); {detail}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming: chunks of the compiled loop with the state carried between them.
+
+
+@pytest.mark.parametrize("draft", ["feature", "lookup", "model"])
+def test_streamed_output_is_the_one_shot_output(draft):
+  d = {"feature": NOISY, "lookup": PromptLookup(),
+       "model": make_toy_model(jax.random.key(1), V, context=1)}[draft]
+  one_shot = _run(d, temperature=0.9, seed=5, adaptive=POLICY)
+  seen = []
+  streamed = _run(d, temperature=0.9, seed=5, adaptive=POLICY, chunk_iterations=2,
+                  on_tokens=lambda tokens, lengths: seen.append((tokens.copy(), lengths.copy())))
+  for a, b in zip(jax.tree.leaves(one_shot), jax.tree.leaves(streamed), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert len(seen) >= 2
+  lengths = np.stack([s[1] for s in seen])
+  assert (np.diff(lengths, axis=0) >= 0).all()
+  np.testing.assert_array_equal(lengths[-1], streamed.lengths)
+  for tokens, lengths in seen:  # what was shown is a prefix of the final output
+    for b, n in enumerate(lengths):
+      np.testing.assert_array_equal(tokens[b, :n], np.asarray(streamed.tokens)[b, :n])
+
+
+def test_streaming_arguments_are_checked():
+  with pytest.raises(ValueError, match="`chunk_iterations` must be an int >= 1"):
+    _run(PromptLookup(), on_tokens=print, chunk_iterations=0)
+  with pytest.raises(TypeError, match="`on_tokens` must be a function"):
+    _run(PromptLookup(), on_tokens=3)
+  with pytest.raises(ValueError, match=r"`adaptive.decay` must be in \(0, 1\)"):
+    _run(PromptLookup(), adaptive=AdaptiveSpeculation(decay=1.5))
