@@ -108,9 +108,11 @@ def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool
     parser.add_argument("--prompt", required=True, type=prompt,
                         help="the user message (chat template added)")
   parser.add_argument("--draft", nargs="+", default=list(e2e.DRAFTS), choices=e2e.DRAFTS,
-                      help="drafts to compare with plain decoding (default: all)")
-  parser.add_argument("--gamma", type=positive_int, default=4,
-                      help="proposals per step (default 4)")
+                      help="drafts to compare with plain decoding (default: all); the first "
+                           "one's output is streamed first; -adaptive: adaptive speculation")
+  parser.add_argument("--gamma", type=positive_int, default=None,
+                      help="proposals per step for every draft (default: each draft's best on "
+                           "this CPU, e2e.DEFAULT_GAMMA: lookup 4, eagle 2, skip/early 4)")
   parser.add_argument("--temperature", type=temperature, nargs="+",
                       default=[0.0] if generate_command else [0.0, 0.7],
                       help="sampling temperatures; 0 is greedy")
@@ -139,6 +141,7 @@ def defaults(add_options: Callable[[argparse.ArgumentParser], None]) -> argparse
 def _e2e_demo_defaults() -> argparse.Namespace:
   args = defaults(lambda p: add_e2e_arguments(p, generate_command=False))
   args.repeats, args.max_new_tokens = 1, 64
+  args.draft = ["eagle", "eagle-adaptive", "lookup", "lookup-adaptive"]  # the ones that pay here
   return args
 
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax import AdaptiveSpeculation
 from specdec_jax import DraftTree
 from specdec_jax import PromptLookup
 from specdec_jax import SamplingParams
@@ -70,7 +71,14 @@ PROMPTS = {
   "open-ended": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 
-DRAFTS = ("lookup", "skip", "early")
+DRAFTS = ("lookup", "lookup-adaptive", "eagle", "eagle-adaptive", "skip", "early")
+
+#: Proposals per iteration of each draft unless ``--gamma`` says otherwise: the best measured on
+#: this CPU (the learned draft's third proposal is accepted too rarely to pay for its tokens in
+#: the target's call; prompt lookup proposes runs of copied text).
+DEFAULT_GAMMA = {"lookup": 4, "eagle": 2, "skip": 4, "early": 4}
+"""Drafts of the end-to-end runs; ``-adaptive``: the same draft with
+:class:`~specdec_jax.decoding.AdaptiveSpeculation` from the measured costs."""
 
 #: The default draft tree of ``--verifier tree``: 2 candidates after the root, 2 after each of
 #: those, then one more each for two levels (15 nodes with the root, depth 4, as gamma = 4).
@@ -95,6 +103,7 @@ class Run:
   alphas: tuple[float, ...] = ()
   tokens_per_call: float = 1.0
   seed: int = 0
+  proposals: int = 0
 
 
 @dataclasses.dataclass
@@ -102,11 +111,19 @@ class Costs:
   """Measured times (ms, median, batch 1) of the pieces of a decoding step, each in isolation."""
 
   target_step: float  # one target call on 1 token
-  target_verify: float  # one target call on gamma + 1 tokens
+  target_verify: dict[int, float]  # one target call on gamma + 1 tokens, by gamma
   draft_step: dict[str, float]  # one draft call on 1 token (0 for prompt lookup)
+  draft_sync: dict[str, float]  # the draft's first call of an iteration (eagle: its gamma + 1)
   prefill: dict[str, float]  # the target on the whole prompt, by prompt name
   sample: float  # process the logits of 1 token and sample (plain decoding's extra)
-  verify: float  # process the logits of gamma + 1 and gamma tokens and verify
+  verify: dict[int, float]  # process the logits of gamma + 1 and gamma tokens and verify
+
+
+def draft_gamma(draft: str, gamma: int | None) -> int:
+  """``gamma`` if given, else the draft's :data:`DEFAULT_GAMMA` (``-adaptive``/``+...`` ignored)."""
+  if gamma is not None:
+    return gamma
+  return DEFAULT_GAMMA[draft.partition("+")[0].removesuffix("-adaptive")]
 
 
 class Setup:
@@ -124,6 +141,15 @@ class Setup:
       "early": make_model(params, config, layers=tuple(range(smollm2.EARLY_EXIT_LAYERS)),
                           name="early"),
     }
+    try:
+      self.drafts["eagle"] = smollm2.load_eagle_draft(params, config)
+    except FileNotFoundError as err:  # not trained yet: the eagle rows are left out
+      print(f"  note: {err}", file=sys.stderr)
+    self.policies: dict[str, AdaptiveSpeculation] = {}
+
+  def has(self, draft: str) -> bool:
+    """Whether a draft name (``-adaptive`` suffix and ``+verifier`` included) is available."""
+    return draft.partition("+")[0].removesuffix("-adaptive") in self.drafts
 
   def encode(self, user_message: str) -> list[int]:
     return self.tokenizer.encode(self.tokenizer.chat_prompt(user_message))
@@ -155,6 +181,8 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
   eos = setup.tokenizer.eos_id
   draft, _, named_verifier = draft.partition("+")  # e.g. "lookup+block"
   verifier = named_verifier or verifier
+  base = draft.removesuffix("-adaptive")
+  adaptive = setup.policies.get(base) if draft.endswith("-adaptive") else None
   if draft == "plain":
     def call():
       return generate(setup.target, prompt, lengths, key, max_new_tokens=max_new_tokens,
@@ -163,14 +191,14 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
     shape = DraftTree.from_branching(tree)
 
     def call():
-      return tree_speculative_generate(setup.target, setup.drafts[draft], prompt, lengths, key,
+      return tree_speculative_generate(setup.target, setup.drafts[base], prompt, lengths, key,
                                        tree=shape, max_new_tokens=max_new_tokens, params=params,
                                        eos_id=eos)
   else:
     def call():
-      return speculative_generate(setup.target, setup.drafts[draft], prompt, lengths, key,
+      return speculative_generate(setup.target, setup.drafts[base], prompt, lengths, key,
                                   gamma=gamma, max_new_tokens=max_new_tokens, params=params,
-                                  eos_id=eos, verifier=verifier)
+                                  eos_id=eos, verifier=verifier, adaptive=adaptive)
   return call, len(ids)
 
 
@@ -188,11 +216,12 @@ def _to_run(setup: Setup, result, prompt_len: int, *, prompt: str, draft: str,
     run.alphas = conditional_acceptance(np.asarray(stats.proposed_at[0]),
                                         np.asarray(stats.accepted_at[0]))
     run.tokens_per_call = float(stats.tokens_per_call[0])
+    run.proposals = int(stats.proposals[0])
   return run
 
 
 def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: Sequence[str], *,
-                     gamma: int, temperature: float, max_new_tokens: int, seed: int,
+                     gamma: int | None, temperature: float, max_new_tokens: int, seed: int,
                      repeats: int, verifiers: Sequence[str] = ("token",),
                      tree: tuple[int, ...] = DEFAULT_TREE) -> list[Run]:
   """Plain decoding and every draft (with every verifier) on one request, timed side by side.
@@ -205,10 +234,11 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
   ``gamma`` column is the tree's depth).
   """
   variants = ("plain", *(d if v == "token" else f"{d}+{v}" for d in drafts for v in verifiers
-                         if not (v == "tree" and d == "lookup")))
+                         if not (v == "tree" and not d.startswith(("skip", "early")))))
   calls, results, compile_s = {}, {}, {}
   for name in variants:
-    calls[name], prompt_len = _make_call(setup, prompt_text, name, gamma=gamma,
+    g = 1 if name == "plain" else draft_gamma(name, gamma)
+    calls[name], prompt_len = _make_call(setup, prompt_text, name, gamma=g,
                                          temperature=temperature, max_new_tokens=max_new_tokens,
                                          seed=seed, verifier="token", tree=tree)
     results[name], compile_s[name], _ = _timed(calls[name], 0)
@@ -220,7 +250,8 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
       times[name].append(time.perf_counter() - start)
   return [_to_run(setup, results[name], prompt_len, prompt=prompt_name, draft=name,
                   temperature=temperature,
-                  gamma=len(tree) if name.endswith("+tree") else gamma,
+                  gamma=len(tree) if name.endswith("+tree") else (
+                    0 if name == "plain" else draft_gamma(name, gamma)),
                   seconds=statistics.median(times[name]),
                   compile_seconds=max(compile_s[name] - statistics.median(times[name]), 0.0))
           for name in variants]
@@ -238,8 +269,8 @@ def conditional_acceptance(proposed_at: np.ndarray, accepted_at: np.ndarray) -> 
   return tuple(float(a / r) if r else 0.0 for a, r in zip(accepted_at, reached, strict=True))
 
 
-def measure_costs(setup: Setup, *, gamma: int, max_len: int, prompt_lengths: dict[str, int],
-                  repeats: int = 20) -> Costs:
+def measure_costs(setup: Setup, *, gamma: int | None, max_len: int,
+                  prompt_lengths: dict[str, int], repeats: int = 20) -> Costs:
   """Median times of the pieces of a decoding step, each measured alone at batch 1."""
   def call_time(model, width: int, start: int = 100) -> float:
     cache = model.init_cache(1, max_len)
@@ -251,7 +282,9 @@ def measure_costs(setup: Setup, *, gamma: int, max_len: int, prompt_lengths: dic
 
   vocab = setup.config.vocab_size
   params = SamplingParams(temperature=jnp.float32(0.7))
-  logits = jax.random.normal(jax.random.key(0), (gamma + 1, vocab))
+  names = [d for d in DEFAULT_GAMMA if d in setup.drafts]
+  gammas = sorted({draft_gamma(d, gamma) for d in names})
+  logits = jax.random.normal(jax.random.key(0), (max(gammas) + 1, vocab))
 
   @jax.jit
   def sample_one(x):
@@ -259,17 +292,52 @@ def measure_costs(setup: Setup, *, gamma: int, max_len: int, prompt_lengths: dic
 
   @jax.jit
   def verify_one(x):
-    p, q = process_logits(x, params), process_logits(x[:gamma], params)
-    return verify(p, q, jnp.zeros(gamma, jnp.int32), jnp.full(gamma + 1, 0.5))
+    g = x.shape[0] - 1
+    p, q = process_logits(x, params), process_logits(x[:g], params)
+    return verify(p, q, jnp.zeros(g, jnp.int32), jnp.full(g + 1, 0.5))
 
   _, _, sample_s = _timed(lambda: sample_one(logits[0]), repeats)
-  _, _, verify_s = _timed(lambda: verify_one(logits), repeats)
+  verify_ms = {g: _timed(lambda g=g: verify_one(logits[:g + 1]), repeats)[2] * 1e3
+               for g in gammas}
   draft_step = {"lookup": 0.0}
+  draft_sync = {"lookup": 0.0}
   for name in ("skip", "early"):
     draft_step[name] = call_time(setup.drafts[name], 1)
+    draft_sync[name] = call_time(setup.drafts[name], 2)
+  if "eagle" in setup.drafts:
+    draft_step["eagle"] = feature_call_time(setup.drafts["eagle"], 1, max_len, repeats)
+    draft_sync["eagle"] = feature_call_time(setup.drafts["eagle"], draft_gamma("eagle", gamma) + 1,
+                                            max_len, repeats)
   prefill = {name: call_time(setup.target, n, start=0) for name, n in prompt_lengths.items()}
-  return Costs(call_time(setup.target, 1), call_time(setup.target, gamma + 1), draft_step,
-               prefill, sample_s * 1e3, verify_s * 1e3)
+  return Costs(call_time(setup.target, 1), {g: call_time(setup.target, g + 1) for g in gammas},
+               draft_step, draft_sync, prefill, sample_s * 1e3, verify_ms)
+
+
+def feature_call_time(draft, width: int, max_len: int, repeats: int, start: int = 100) -> float:
+  """Median ms of one call of a :class:`~specdec_jax.decoding.FeatureDraft` on ``width`` tokens."""
+  cache = draft.init_cache(1, max_len)
+  tokens = jnp.ones((1, width), jnp.int32)
+  positions = jnp.arange(width, dtype=jnp.int32)[None] + start
+  features = jnp.zeros((1, width, draft.params.head.shape[1]), jnp.float32)
+  fn = jax.jit(draft.apply)
+  _, _, seconds = _timed(lambda: fn(draft.params, tokens, features, positions, cache), repeats)
+  return seconds * 1e3
+
+
+def adaptive_policy(costs: Costs, draft: str, gamma: int) -> AdaptiveSpeculation:
+  """The cost model of :class:`~specdec_jax.decoding.AdaptiveSpeculation` from measured costs.
+
+  Unit: a plain decoding step (target step + sample). ``verify_cost``: each extra token of the
+  target's call, ``(call on gamma + 1 - step) / gamma``; ``draft_cost``: a draft step;
+  ``fixed_cost``: what speculating adds per iteration beyond those (verification instead of
+  plain sampling, and the draft's first call beyond one step).
+  """
+  unit = costs.target_step + costs.sample
+  per_token = max(costs.target_verify[gamma] - costs.target_step, 0.0) / gamma
+  fixed = max(costs.verify[gamma] - costs.sample, 0.0) + max(
+    costs.draft_sync[draft] - costs.draft_step[draft], 0.0)
+  return AdaptiveSpeculation(draft_cost=costs.draft_step[draft] / unit,
+                             verify_cost=per_token / unit, fixed_cost=fixed / unit)
 
 
 def predicted_speedup(run: Run, costs: Costs) -> float:
@@ -283,11 +351,19 @@ def predicted_speedup(run: Run, costs: Costs) -> float:
     ``(prefill + (N-1)(step + sample)) / (prefill + (N-1)/E (gamma draft + verify_call + verify))``.
   """
   n = max(run.new_tokens - 1, 0)
-  tokens_per_iteration = float(expected_tokens_per_position(jnp.asarray(run.alphas)))
   prefill = costs.prefill[run.prompt]
   plain = prefill + n * (costs.target_step + costs.sample)
   draft = run.draft.partition("+")[0]
-  iteration = run.gamma * costs.draft_step[draft] + costs.target_verify + costs.verify
+  if draft.endswith("-adaptive"):  # proposals vary: the cost model on the run's own counts
+    policy = adaptive_policy(costs, draft.removesuffix("-adaptive"), run.gamma)
+    unit = costs.target_step + costs.sample
+    iterations = max(run.target_calls - 1, 1)
+    spent = iterations * unit * (1 + policy.fixed_cost) + run.proposals * unit * (
+      policy.draft_cost + policy.verify_cost)
+    return plain / (prefill + spent)
+  tokens_per_iteration = float(expected_tokens_per_position(jnp.asarray(run.alphas)))
+  iteration = (costs.draft_sync[draft] + (run.gamma - 1) * costs.draft_step[draft]
+               + costs.target_verify[run.gamma] + costs.verify[run.gamma])
   return plain / (prefill + n / tokens_per_iteration * iteration)
 
 
@@ -312,10 +388,14 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
                  acc, f"{r.compile_seconds:.1f}"))
   print(format_table(header, rows, align="lrlrrrrrrl"), file=out)
   prefill = ", ".join(f"{k} {v:.1f}" for k, v in costs.prefill.items())
+  calls = ", ".join(f"{g + 1} tokens {v:.2f}" for g, v in costs.target_verify.items())
+  verifies = ", ".join(f"gamma {g} {v:.2f}" for g, v in costs.verify.items())
   print(f"\n  costs at batch 1 (median ms, each measured alone): prefill ({prefill}), "
-        f"target step {costs.target_step:.2f}, target call on gamma + 1 tokens "
-        f"{costs.target_verify:.2f}, sample {costs.sample:.2f}, verify {costs.verify:.2f}, "
-        + ", ".join(f"{k} draft step {v:.2f}" for k, v in costs.draft_step.items()), file=out)
+        f"target step {costs.target_step:.2f}, target call on {calls}, sample "
+        f"{costs.sample:.2f}, verify ({verifies}), "
+        + ", ".join(f"{k} draft step {v:.2f}" for k, v in costs.draft_step.items())
+        + ", eagle first call (gamma + 1 tokens) "
+        + f"{costs.draft_sync.get('eagle', float('nan')):.2f}", file=out)
   print("  speed-up: this run's tokens/s over plain decoding's. predicted: Leviathan et al. "
         "Theorem 3.8 from the measured\n  acceptance by position (alpha_i) and the costs above, "
         "prefill included (see specdec_jax.app.e2e.predicted_speedup).", file=out)
@@ -326,7 +406,8 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
 
 
 def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
-              temperatures: Sequence[float], gamma: int, max_new_tokens: int, repeats: int,
+              temperatures: Sequence[float], gamma: int | None, max_new_tokens: int,
+              repeats: int,
               seed: int, verifiers: Sequence[str] = ("token",), show_text: bool = True,
               tree: tuple[int, ...] = DEFAULT_TREE, seeds: int = 1,
               out=sys.stdout) -> tuple[list[Run], Costs]:
@@ -337,6 +418,21 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
   speed-up over the seeds (greedy requests do not depend on the seed). The main table
   shows the runs with ``seed``; all runs are returned.
   """
+  missing = [d for d in drafts if not setup.has(d)]
+  if missing:
+    print(f"  left out (not available): {', '.join(missing)}", file=out, flush=True)
+  drafts = [d for d in drafts if setup.has(d)]
+  lengths = {name: len(setup.encode(text)) for name, text in prompts.items()}
+  print("measuring the cost of each piece of a step ...", file=out, flush=True)
+  most = max(gamma or 0, *DEFAULT_GAMMA.values())
+  costs = measure_costs(setup, gamma=gamma, prompt_lengths=lengths,
+                        max_len=max(lengths.values()) + max_new_tokens + most)
+  setup.policies = {d: adaptive_policy(costs, d, draft_gamma(d, gamma)) for d in costs.draft_step}
+  if show_text and drafts:
+    for name, text in prompts.items():
+      stream_generation(setup, name, text, drafts[0], gamma=draft_gamma(drafts[0], gamma),
+                        temperature=temperatures[0],
+                        max_new_tokens=max_new_tokens, seed=seed, out=out)
   runs: list[Run] = []
   for name, text in prompts.items():
     for temperature in temperatures:
@@ -350,20 +446,42 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
         for run in group:
           label = f"[{name} | temperature {temperature:g} | {run.draft} | seed {seed + k}]"
           print(f"{label} {run.new_tokens} tokens in {run.seconds:.2f} s", file=out, flush=True)
-          if k == 0 and show_text and run.draft in ("plain", drafts[0] if drafts else "plain"):
-            print("  " + run.text.replace("\n", "\n  ")[:600], file=out, flush=True)
           if temperature == 0 and run.draft != "plain":
             same = run.tokens == group[0].tokens
             print(f"  greedy output identical to plain greedy: {same}", file=out, flush=True)
-  lengths = {name: len(setup.encode(text)) for name, text in prompts.items()}
-  costs = measure_costs(setup, gamma=gamma, max_len=max(lengths.values()) + max_new_tokens + gamma,
-                        prompt_lengths=lengths)
   print(file=out)
   report([r for r in runs if r.seed == seed], costs, out=out)
   if seeds > 1:
     print(file=out)
     summarize(runs, out=out)
   return runs, costs
+
+
+def stream_generation(setup: Setup, prompt_name: str, prompt_text: str, draft: str, *, gamma: int,
+                      temperature: float, max_new_tokens: int, seed: int, out=sys.stdout,
+                      chunk_iterations: int = 2):
+  """Generate once with ``draft`` and print the text as it is produced (streamed chunks)."""
+  ids = setup.encode(prompt_text)
+  base = draft.partition("+")[0]
+  adaptive = setup.policies.get(base.removesuffix("-adaptive")) if base.endswith(
+    "-adaptive") else None
+  shown = [0]
+  print(f"[{prompt_name} | temperature {temperature:g} | {base}, streamed]", file=out, flush=True)
+  print("  ", end="", file=out, flush=True)
+
+  def show(tokens, lengths):
+    new = tokens[0, len(ids): int(lengths[0])].tolist()
+    text = setup.tokenizer.decode(new, skip_special=True)
+    print(text[shown[0]:].replace("\n", "\n  "), end="", file=out, flush=True)
+    shown[0] = len(text)
+
+  speculative_generate(setup.target, setup.drafts[base.removesuffix("-adaptive")],
+                       jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32),
+                       jax.random.key(seed), gamma=gamma, max_new_tokens=max_new_tokens,
+                       params=SamplingParams(temperature=jnp.float32(temperature)),
+                       eos_id=setup.tokenizer.eos_id, adaptive=adaptive, on_tokens=show,
+                       chunk_iterations=chunk_iterations)
+  print("\n", file=out, flush=True)
 
 
 def summarize(runs: Sequence[Run], out=sys.stdout) -> None:

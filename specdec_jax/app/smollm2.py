@@ -18,6 +18,8 @@ from typing import NamedTuple
 from specdec_jax.app.gguf import load_gguf_llama
 from specdec_jax.app.gguf import open_gguf
 from specdec_jax.app.tokenizer import Tokenizer
+from specdec_jax.models.eagle import load_eagle
+from specdec_jax.models.eagle import make_eagle_draft
 from specdec_jax.models.llama import LlamaConfig
 from specdec_jax.models.llama import LlamaParams
 
@@ -34,6 +36,11 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by
 
 EARLY_EXIT_LAYERS = 22
 """The early-exit draft runs SmolLM2-135M's first 22 of 30 layers, then the final norm and head."""
+
+
+EAGLE_WEIGHTS = Path(__file__).resolve().parent / "data" / "smollm2_eagle.npz"
+"""The trained EAGLE-style draft of SmolLM2-135M-Instruct (``make train-draft`` writes it;
+committed, float16, so that the demo needs no training)."""
 
 
 class SmolLM2(NamedTuple):
@@ -81,6 +88,18 @@ def load_smollm2(*, progress: bool = True) -> SmolLM2:
   reader = open_gguf(find_smollm2_gguf())
   params, config = load_gguf_llama(reader, progress=progress)
   return SmolLM2(params=params, config=config, tokenizer=Tokenizer.from_gguf(reader))
+
+
+def load_eagle_draft(params: LlamaParams, config: LlamaConfig, path: Path = EAGLE_WEIGHTS):
+  """The trained draft joined to the target's arrays (``models.eagle.make_eagle_draft``).
+
+  Raises:
+    FileNotFoundError: no weights at ``path`` (run ``make train-draft``).
+  """
+  if not Path(path).exists():
+    raise FileNotFoundError(f"no trained draft at {path}; run: make train-draft")
+  weights, vocab_ids = load_eagle(path)
+  return make_eagle_draft(weights, vocab_ids, params, config, name="eagle")
 
 
 def skip_layers(n_layers: int) -> tuple[int, ...]:

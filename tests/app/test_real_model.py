@@ -178,11 +178,13 @@ def test_chat_prompt(smollm2):
   assert tok.decode(ids) == prompt
 
 
-@pytest.mark.parametrize("draft_name", ["lookup", "skip", "skip-tree"])
+@pytest.mark.parametrize("draft_name", ["lookup", "lookup-adaptive", "skip", "skip-tree", "eagle",
+                                        "eagle-adaptive"])
 def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
   """On the real model, greedy speculative decoding reproduces greedy decoding token for token."""
   import jax
 
+  from specdec_jax import AdaptiveSpeculation
   from specdec_jax import PromptLookup
   from specdec_jax import SamplingParams
   from specdec_jax import generate
@@ -193,8 +195,13 @@ def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
   params, config, tok = smollm2
   target = llama.make_model(params, config)
   skip = smollm2_lib.skip_layers(config.n_layers)
-  draft = PromptLookup() if draft_name == "lookup" else llama.make_model(params, config,
-                                                                         layers=skip)
+  if draft_name.startswith("lookup"):
+    draft = PromptLookup()
+  elif draft_name.startswith("eagle"):
+    draft = smollm2_lib.load_eagle_draft(params, config)
+  else:
+    draft = llama.make_model(params, config, layers=skip)
+  adaptive = AdaptiveSpeculation() if draft_name.endswith("-adaptive") else None
   ids = tok.encode(tok.chat_prompt("Repeat this sentence twice: the cat sat on the mat."))
   prompt, lengths = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
   greedy = SamplingParams(temperature=0.0)
@@ -206,8 +213,27 @@ def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
                                      max_new_tokens=24, params=greedy, eos_id=tok.eos_id)
   else:
     fast = speculative_generate(target, draft, prompt, lengths, jax.random.key(0), gamma=4,
-                                max_new_tokens=24, params=greedy, eos_id=tok.eos_id)
+                                max_new_tokens=24, params=greedy, eos_id=tok.eos_id,
+                                adaptive=adaptive)
   assert int(fast.num_new[0]) == int(plain.num_new[0]) > 0
   np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(plain.tokens))
   assert int(fast.error[0]) == 0
   assert int(fast.stats.target_calls) < int(plain.stats.target_calls)
+  if draft_name == "eagle":  # the committed weights are trained: most first proposals accepted
+    stats = fast.stats
+    assert int(stats.accepted_at[0, 0]) >= 0.3 * int(stats.proposed_at[0, 0]), stats
+
+
+def test_the_committed_draft_is_compact(smollm2):
+  """The trained draft's weights are in the package, at most ~20 MB, float16."""
+  import jax
+
+  from specdec_jax.models import eagle
+
+  path = smollm2_lib.EAGLE_WEIGHTS
+  assert path.exists(), "run make train-draft"
+  assert path.stat().st_size < 20e6
+  weights, vocab_ids = eagle.load_eagle(path)
+  _, config, tok = smollm2
+  assert tok.eos_id in vocab_ids.tolist() and len(vocab_ids) <= config.vocab_size // 4
+  assert all(a.dtype == np.float32 for a in jax.tree.leaves(weights))  # float16 on disk

@@ -1,0 +1,53 @@
+"""The cost model of the end-to-end runs: adaptive policies and predicted speed-ups from costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_jax.app import e2e
+
+COSTS = e2e.Costs(target_step=19.0, target_verify={4: 22.2},
+                  draft_step={"lookup": 0.0, "eagle": 1.0},
+                  draft_sync={"lookup": 0.0, "eagle": 1.5}, prefill={"p": 60.0}, sample=0.2,
+                  verify={4: 0.4})
+
+
+def test_adaptive_policy_from_measured_costs():
+  policy = e2e.adaptive_policy(COSTS, "eagle", gamma=4)
+  unit = 19.2
+  assert policy.draft_cost == pytest.approx(1.0 / unit)
+  assert policy.verify_cost == pytest.approx((22.2 - 19.0) / 4 / unit)
+  assert policy.fixed_cost == pytest.approx((0.4 - 0.2 + 0.5) / unit)
+  lookup = e2e.adaptive_policy(COSTS, "lookup", gamma=4)
+  assert lookup.draft_cost == 0.0 and lookup.fixed_cost == pytest.approx(0.2 / unit)
+
+
+def _run(draft: str, **kw) -> e2e.Run:
+  base = dict(prompt="p", draft=draft, temperature=0.0, gamma=4, seconds=1.0, compile_seconds=0.0,
+              new_tokens=101, text="", tokens=[])
+  return e2e.Run(**(base | kw))
+
+
+def test_predicted_speedup_is_theorem_3_8_with_costs():
+  # alpha = 1 at every position: 5 tokens per iteration, 20 iterations for 100 tokens.
+  run = _run("eagle", alphas=(1.0, 1.0, 1.0, 1.0))
+  plain = 60.0 + 100 * 19.2
+  iteration = 1.5 + 3 * 1.0 + 22.2 + 0.4
+  assert e2e.predicted_speedup(run, COSTS) == pytest.approx(plain / (60.0 + 20 * iteration))
+  # Nothing accepted: one token per iteration.
+  none = _run("lookup", alphas=(0.0, 0.0, 0.0, 0.0))
+  assert e2e.predicted_speedup(none, COSTS) == pytest.approx(plain / (60.0 + 100 * 22.6))
+
+
+def test_each_draft_has_its_own_gamma_unless_one_is_given():
+  assert e2e.draft_gamma("eagle-adaptive", None) == e2e.DEFAULT_GAMMA["eagle"]
+  assert e2e.draft_gamma("skip+tree", None) == e2e.DEFAULT_GAMMA["skip"]
+  assert e2e.draft_gamma("eagle", 3) == 3
+
+
+def test_predicted_speedup_of_an_adaptive_run_uses_its_counts():
+  # 100 iterations without a single proposal: plain decoding plus the fixed cost of each.
+  run = _run("lookup-adaptive", target_calls=101, proposals=0)
+  policy = e2e.adaptive_policy(COSTS, "lookup", gamma=4)
+  expected = (60.0 + 100 * 19.2) / (60.0 + 100 * 19.2 * (1 + policy.fixed_cost))
+  assert e2e.predicted_speedup(run, COSTS) == pytest.approx(expected)
