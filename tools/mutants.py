@@ -58,6 +58,7 @@ def _m(id_, file, original, replacement, description, *tests) -> Mutant:
 
 T_SAMPLE = "tests/test_sample.py"
 T_TRAPS = "tests/test_traps.py"
+T_FEATURE = "tests/decoding/test_feature_adaptive.py"
 T_WORKED = "tests/test_worked_examples.py"
 T_RAGGED = "tests/test_ragged_and_keys.py"
 T_FAST = "tests/test_fast_path.py"
@@ -283,6 +284,31 @@ MUTANTS: tuple[Mutant, ...] = (
   _m("logits-params-flag", "_logits.py",
      "error = result.error | params_error(params)", "error = result.error",
      "verify_logits: BAD_PARAMS dropped", T_LOGITS, "-k", "bad_parameters"),
+  # --- the chain loop's feature drafts, adaptive speculation, streaming ----------------------
+  _m("feature-off-by-one", "decoding/drafts.py",
+     "at = jnp.clip(lengths - 1 - start, 0, gamma)", "at = jnp.clip(lengths - 2 - start, 0, gamma)",
+     "the feature draft's first proposal read one position early", T_FEATURE, "-k",
+     "right_positions or greedy_equals_plain"),
+  _m("feature-window-start", "decoding/chain.py",
+     "draft_cache = (feature_cache, feats, s.lengths)",
+     "draft_cache = (feature_cache, feats, s.lengths + 1)",
+     "the next sync window starts one position late", T_FEATURE, "-k", "perfect"),
+  _m("adaptive-ignores-budget", "decoding/chain.py",
+     "budget, choose_num_draft(adaptive, s.adapt, gamma=gamma))",
+     "gamma, choose_num_draft(adaptive, s.adapt, gamma=gamma))",
+     "adaptive speculation proposes past the token budget", T_FEATURE, "-k", "adaptive"),
+  _m("adaptive-counts-frozen", "decoding/adaptive.py",
+     "return jnp.where(active[:, None], policy.decay * counts + new, counts)",
+     "return counts",
+     "the acceptance estimate never learns", T_FEATURE, "-k", "cost_model or saves_proposals"),
+  _m("stream-chunk-drops-state", "decoding/chain.py",
+     "lambda c: (body(c[0]), c[1] + 1), (state, jnp.int32(0)))",
+     "lambda c: (body(c[0])._replace(adapt=c[0].adapt), c[1] + 1), (state, jnp.int32(0)))",
+     "streamed chunks lose the adaptive counts", T_FEATURE, "-k", "streamed"),
+  _m("adaptive-width-off-by-one", "decoding/chain.py",
+     "lambda carry, k=k: carry[0] == k, loop", "lambda carry, k=k: carry[0] == k + 1, loop",
+     "the adaptive target call one token narrower than the proposals", T_FEATURE, "-k",
+     "adaptive"),
 )
 
 

@@ -14,6 +14,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 
 from specdec_jax._checks import INT
 from specdec_jax._checks import host_array
@@ -30,6 +33,27 @@ def model_fns(model: Model, name: str, arg: str) -> ModelFns:
       f"{name}: `{arg}` must be a specdec_jax.models.Model, got {type(model).__name__} instead."
     )
   return ModelFns(model.apply, model.init_cache, int(model.vocab_size), model.apply_features)
+
+
+def auto_axes(tree):
+  """``tree`` with every array on an ``Explicit``-axis mesh relabelled to the same mesh's ``Auto``
+  axes (same devices and layout: no data moves).
+
+  The loops are written for XLA's partitioner (``Auto`` axes); ``jax.make_mesh`` may give
+  ``Explicit`` axes, under which every scatter into a split buffer would need its output
+  sharding spelled out. Tracers and unsharded values pass unchanged.
+  """
+  def relabel(x):
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+      return x
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding) or all(
+        t == AxisType.Auto for t in sharding.mesh.axis_types):
+      return x
+    mesh = Mesh(sharding.mesh.devices, sharding.mesh.axis_names,
+                axis_types=(AxisType.Auto,) * len(sharding.mesh.axis_names))
+    return jax.device_put(x, NamedSharding(mesh, sharding.spec))
+  return jax.tree.map(relabel, tree)
 
 
 def check_prompt(prompt_tokens, prompt_lengths, name: str, vocab: int):

@@ -10,6 +10,7 @@ from jax import lax
 
 from specdec_jax._logits import SamplingParams
 from specdec_jax._sampling import sample_index
+from specdec_jax.decoding.args import auto_axes
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
@@ -96,6 +97,12 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
   a row's output does not depend on the rest of the batch. A row stops after
   ``max_new_tokens`` new tokens, after emitting ``eos_id``, or when the buffer is full.
 
+  Global arrays (``jax.distributed``, several processes): prompts, lengths and keys may be
+  arrays that span devices of several processes (e.g. the batch split over a ``data`` mesh
+  axis). Their values are then checked under ``jit`` and flagged in ``error`` instead of on
+  the host (only values this process can read are checked on the host), nothing is gathered
+  to one host, and the result is a global array laid out like the batch.
+
   Args:
     model: the target :class:`Model`. Its ``apply``/``init_cache`` are static: reuse
       the same functions to reuse the compiled loop.
@@ -132,7 +139,7 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
   batch, width = prompt.shape
   max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name,
                                    (("model", model.context_length),))
-  return generate_loop(model.params, prompt, lengths, tokens_ok, make_row_keys(key, batch, name),
-                       batch_params(params, batch, name), check_eos(eos_id, name, fns.vocab_size),
-                       target=fns, max_new_tokens=int(max_new_tokens), max_len=max_len,
+  args = auto_axes((model.params, prompt, lengths, tokens_ok, make_row_keys(key, batch, name),
+                    batch_params(params, batch, name), check_eos(eos_id, name, fns.vocab_size)))
+  return generate_loop(*args, target=fns, max_new_tokens=int(max_new_tokens), max_len=max_len,
                        context=context, pad_id=int(pad_id))

@@ -17,6 +17,7 @@ from specdec_jax._logits import process_logits
 from specdec_jax._sampling import sample_index
 from specdec_jax._tree import tree_verify
 from specdec_jax.decoding.args import StaticFunction
+from specdec_jax.decoding.args import auto_axes
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
@@ -328,6 +329,12 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
   ``fold_in(row_key, i)``: ``fold_in(., 0)`` for the ``N`` uniforms of the
   verification and ``split(fold_in(., 1), N)`` for the ``"iid"`` drafts of each node.
 
+  Global arrays (``jax.distributed``, several processes): prompts, lengths and keys may be
+  arrays that span devices of several processes (e.g. the batch split over a ``data`` mesh
+  axis). Their values are then checked under ``jit`` and flagged in ``error`` instead of on
+  the host (only values this process can read are checked on the host), nothing is gathered
+  to one host, and the result is a global array laid out like the batch.
+
   Args:
     target: the target :class:`Model`, with ``tree_apply`` and ``copy_slots``.
     draft: the draft :class:`Model` (same vocabulary), with ``tree_apply`` and ``copy_slots``.
@@ -399,9 +406,10 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
   batch, width = prompt.shape
   contexts = (("target", target.context_length), ("draft", draft.context_length))
   max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
-  return tree_loop(target.params, draft.params, prompt, lengths, tokens_ok,
-                   make_row_keys(key, batch, name), batch_params(params, batch, name),
-                   check_eos(eos_id, name, vocab), target=target_fns, draft=draft_fns, tree=tree,
+  args = auto_axes((target.params, draft.params, prompt, lengths, tokens_ok,
+                    make_row_keys(key, batch, name), batch_params(params, batch, name),
+                    check_eos(eos_id, name, vocab)))
+  return tree_loop(*args, target=target_fns, draft=draft_fns, tree=tree,
                    law=law, tree_verifier=tree_verifier, max_new_tokens=int(max_new_tokens),
                    max_len=max_len, context=context, pad_id=int(pad_id))
 
