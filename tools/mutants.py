@@ -309,6 +309,12 @@ MUTANTS: tuple[Mutant, ...] = (
      "lambda carry, k=k: carry[0] == k, loop", "lambda carry, k=k: carry[0] == k + 1, loop",
      "the adaptive target call one token narrower than the proposals", T_FEATURE, "-k",
      "adaptive"),
+  # --- multi-device and multi-host --------------------------------------------------------
+  _m("loop-not-data-parallel", "decoding/data_parallel.py",
+     "  split = batch_axis(args[prompt_index])\n  if split is None:",
+     "  split = batch_axis(args[prompt_index])\n  if True:",
+     "a batch split over a mesh axis runs as one partitioned loop (gathers across the data axis)",
+     "tests/models/test_llama_sharding.py", "-k", "crosses"),
 )
 
 

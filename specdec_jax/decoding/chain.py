@@ -36,6 +36,7 @@ from specdec_jax.decoding.common import prefill_and_start
 from specdec_jax.decoding.common import processed
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
+from specdec_jax.decoding.data_parallel import run_loop
 from specdec_jax.decoding.drafts import Draft
 from specdec_jax.decoding.drafts import FeatureDraft
 from specdec_jax.decoding.drafts import FeatureFns
@@ -214,6 +215,10 @@ def _feature_prefill(draft: FeatureFns, draft_params, prompt, prompt_lengths, ta
   return cache, features, prompt_lengths
 
 
+# Which positional arguments of the loops have the batch as their leading axis.
+_BATCH_ARGS = (False, False, True, True, True, True, True, False)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def speculative_loop(*args, **static):
   """The whole chain loop as one compiled program: prefill, ``while_loop``, result."""
@@ -303,7 +308,9 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   arrays that span devices of several processes (e.g. the batch split over a ``data`` mesh
   axis). Their values are then checked under ``jit`` and flagged in ``error`` instead of on
   the host (only values this process can read are checked on the host), nothing is gathered
-  to one host, and the result is a global array laid out like the batch.
+  to one host, and the result is a global array laid out like the batch. Prompts split over a
+  mesh axis run data-parallel: one loop per shard under ``shard_map``, nothing crossing that
+  axis per step (:mod:`specdec_jax.decoding.data_parallel`).
 
   Args:
     target: the target :class:`Model`.
@@ -424,7 +431,8 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
                 max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
                 pad_id=int(pad_id), adaptive=adaptive)
   if on_tokens is None:
-    return speculative_loop(*args, **static)
+    return run_loop(speculative_loop, SpeculativeResult, args, _BATCH_ARGS, static,
+                    prompt_index=2)
   if not callable(on_tokens):
     raise TypeError(f"{name}: `on_tokens` must be a function or None, got {on_tokens!r}.")
   if not isinstance(chunk_iterations, int | np.integer) or chunk_iterations < 1:

@@ -27,6 +27,7 @@ from specdec_jax.decoding.common import nonfinite_rows
 from specdec_jax.decoding.common import prefill_and_start
 from specdec_jax.decoding.common import processed
 from specdec_jax.decoding.common import uniform
+from specdec_jax.decoding.data_parallel import run_loop
 from specdec_jax.decoding.types import GenerateResult
 from specdec_jax.decoding.types import GenerateState
 from specdec_jax.decoding.types import ModelFns
@@ -101,7 +102,9 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
   arrays that span devices of several processes (e.g. the batch split over a ``data`` mesh
   axis). Their values are then checked under ``jit`` and flagged in ``error`` instead of on
   the host (only values this process can read are checked on the host), nothing is gathered
-  to one host, and the result is a global array laid out like the batch.
+  to one host, and the result is a global array laid out like the batch. Prompts split over a
+  mesh axis run data-parallel: one loop per shard under ``shard_map``, nothing crossing that
+  axis per step (:mod:`specdec_jax.decoding.data_parallel`).
 
   Args:
     model: the target :class:`Model`. Its ``apply``/``init_cache`` are static: reuse
@@ -141,5 +144,7 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
                                    (("model", model.context_length),))
   args = auto_axes((model.params, prompt, lengths, tokens_ok, make_row_keys(key, batch, name),
                     batch_params(params, batch, name), check_eos(eos_id, name, fns.vocab_size)))
-  return generate_loop(*args, target=fns, max_new_tokens=int(max_new_tokens), max_len=max_len,
-                       context=context, pad_id=int(pad_id))
+  static = dict(target=fns, max_new_tokens=int(max_new_tokens), max_len=max_len,
+                context=context, pad_id=int(pad_id))
+  batch_args = (False, True, True, True, True, True, False)
+  return run_loop(generate_loop, GenerateResult, args, batch_args, static, prompt_index=1)

@@ -33,6 +33,7 @@ from specdec_jax.decoding.common import prefill_and_start
 from specdec_jax.decoding.common import processed
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
+from specdec_jax.decoding.data_parallel import run_loop
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.decoding.types import SpecState
 from specdec_jax.decoding.types import SpeculativeResult
@@ -333,7 +334,9 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
   arrays that span devices of several processes (e.g. the batch split over a ``data`` mesh
   axis). Their values are then checked under ``jit`` and flagged in ``error`` instead of on
   the host (only values this process can read are checked on the host), nothing is gathered
-  to one host, and the result is a global array laid out like the batch.
+  to one host, and the result is a global array laid out like the batch. Prompts split over a
+  mesh axis run data-parallel: one loop per shard under ``shard_map``, nothing crossing that
+  axis per step (:mod:`specdec_jax.decoding.data_parallel`).
 
   Args:
     target: the target :class:`Model`, with ``tree_apply`` and ``copy_slots``.
@@ -409,9 +412,11 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
   args = auto_axes((target.params, draft.params, prompt, lengths, tokens_ok,
                     make_row_keys(key, batch, name), batch_params(params, batch, name),
                     check_eos(eos_id, name, vocab)))
-  return tree_loop(*args, target=target_fns, draft=draft_fns, tree=tree,
-                   law=law, tree_verifier=tree_verifier, max_new_tokens=int(max_new_tokens),
-                   max_len=max_len, context=context, pad_id=int(pad_id))
+  static = dict(target=target_fns, draft=draft_fns, tree=tree, law=law,
+                tree_verifier=tree_verifier, max_new_tokens=int(max_new_tokens), max_len=max_len,
+                context=context, pad_id=int(pad_id))
+  batch_args = (False, False, True, True, True, True, True, False)
+  return run_loop(tree_loop, SpeculativeResult, args, batch_args, static, prompt_index=2)
 
 
 @functools.cache

@@ -1,0 +1,98 @@
+"""Data parallelism of the decoding loops: each shard of the batch runs its own loop.
+
+When the prompts arrive split over a mesh axis (a ``NamedSharding`` whose first dimension is
+partitioned), the loops run under ``jax.shard_map`` over that axis: every device group holds
+its rows, their caches and their state, and runs the jitted ``while_loop`` on them alone. Rows
+never interact in the loops (each row has its own key, and a row's output does not depend on
+the rest of the batch), so nothing crosses the data axis per step; a shard whose rows are all
+finished stops while the others go on. After the loop the two batch-wide counters
+(``target_calls``, ``draft_calls``) take their maximum over the shards, the only collective.
+Other mesh axes stay with XLA's partitioner, so a tensor-parallel model (see
+:mod:`specdec_jax.models.llama_sharding`) runs inside each shard unchanged.
+
+This is the layout of multi-host serving (``jax.distributed``): each process holds its rows
+and nothing of another process's batch is ever gathered.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from specdec_jax.decoding.types import DecodeStats
+
+
+def batch_axis(prompt) -> tuple[object, str | tuple[str, ...]] | None:
+  """``(mesh, axis)`` when ``prompt``'s rows are split over mesh axes, else ``None``."""
+  sharding = getattr(prompt, "sharding", None)
+  if isinstance(prompt, jax.core.Tracer) or not isinstance(sharding, NamedSharding):
+    return None
+  spec = tuple(sharding.spec) + (None,) * prompt.ndim
+  axis = spec[0]
+  if axis is None or axis == ():
+    return None
+  names = axis if isinstance(axis, tuple) else (axis,)
+  size = 1
+  for name in names:
+    size *= sharding.mesh.shape[name]
+  if size == 1 or prompt.shape[0] % size:
+    return None  # unsplit, or uneven: left to the partitioner
+  return sharding.mesh, axis
+
+
+@functools.cache
+def sharded_loop(loop: Callable, result_type: type, mesh, axis, batch_args: tuple[bool, ...],
+             static: tuple) -> Callable:
+  """The jitted ``shard_map`` of ``loop`` over ``axis`` (cached; ``static`` as sorted items)."""
+  names = frozenset(axis if isinstance(axis, tuple) else (axis,))
+  rows = P(axis)
+  stats = DecodeStats(P(), P(), *(rows,) * (len(DecodeStats._fields) - 2))
+  out_specs = result_type(rows, rows, rows, stats, rows)
+
+  def local(*args):
+    result = loop(*args, **dict(static))
+    counters = result.stats._replace(target_calls=lax.pmax(result.stats.target_calls, axis),
+                                     draft_calls=lax.pmax(result.stats.draft_calls, axis))
+    return result._replace(stats=counters)
+
+  in_specs = tuple(rows if is_batch else P() for is_batch in batch_args)
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                               axis_names=names, check_vma=False))
+
+
+@functools.cache
+def _whole(loop: Callable, static: tuple) -> Callable:
+  return jax.jit(functools.partial(loop, **dict(static)))
+
+
+def loop_function(loop: Callable, result_type: type, args: tuple, batch_args: tuple[bool, ...],
+                  static: dict, *, prompt_index: int) -> Callable:
+  """The jitted function :func:`run_loop` calls on ``args``: ``loop`` with ``static`` bound,
+  under ``shard_map`` over the batch's mesh axis when the prompts are split (cached)."""
+  items = tuple(sorted(static.items()))
+  split = batch_axis(args[prompt_index])
+  if split is None:
+    return _whole(loop, items)
+  mesh, axis = split
+  return sharded_loop(loop, result_type, mesh, axis, batch_args, items)
+
+
+def run_loop(loop: Callable, result_type: type, args: tuple, batch_args: tuple[bool, ...],
+             static: dict, *, prompt_index: int):
+  """``loop(*args, **static)``, under ``shard_map`` over the batch's mesh axis when split.
+
+  Args:
+    loop: the jitted loop; its result is ``result_type`` (fields ``tokens, lengths, num_new,
+      stats, error``).
+    args: its positional arguments; ``batch_args[i]`` tells whether ``args[i]`` has the
+      batch as its leading axis (else it is the same on every shard: parameters, ``eos_id``).
+    static: its static keyword arguments (hashable).
+    prompt_index: where the prompts are in ``args`` (their sharding decides).
+  """
+  return loop_function(loop, result_type, args, batch_args, static,
+                       prompt_index=prompt_index)(*args)

@@ -1,0 +1,133 @@
+"""The calls of the multi-process test, written once for both sides of the comparison.
+
+:func:`run_cases` runs every public entry point on arrays that ``put(host_array, spec)`` places
+on a ``(2, 4)`` mesh ``data x model``: in the test process (one process, 8 CPU devices) ``put``
+is ``jax.device_put``; in each of the two worker processes (4 CPU devices each, gloo
+collectives) it builds a global array that spans both processes. The workers compare the
+shards they hold with the single-process results, exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import specdec_jax as sd
+from specdec_jax.models import llama
+from specdec_jax.models.llama_sharding import shard_model
+from specdec_jax.models.toy import make_toy_feature_draft
+from specdec_jax.models.toy import make_toy_model
+
+B, GAMMA, V = 8, 3, 32
+TOY_V = 16
+
+
+def _distributions(rng, shape):
+  x = rng.gamma(0.3, size=shape).astype(np.float32) + 1e-3
+  return x / x.sum(-1, keepdims=True)
+
+
+def run_cases(mesh, put: Callable[[np.ndarray, P], jax.Array]) -> dict[str, Any]:
+  """``{check name: result pytree}`` for every entry point, on arrays placed by ``put``.
+
+  """
+  rng = np.random.default_rng(0)
+  out: dict[str, Any] = {}
+  p, q = _distributions(rng, (B, GAMMA + 1, V)), _distributions(rng, (B, GAMMA, V))
+  draft = np.stack([[rng.choice(V, p=row) for row in q[b]] for b in range(B)]).astype(np.int32)
+  uniforms = rng.random((B, GAMMA + 1), dtype=np.float32)
+  num_draft = rng.integers(0, GAMMA + 1, size=B).astype(np.int32)
+  rows, seq, vec = P("data", None, None), P("data", None), P("data")
+
+  # 1. Batch-sharded jit(vmap(verify)) and jit(vmap(block_verify)).
+  for name, fn in (("verify", sd.verify), ("block_verify", sd.block_verify)):
+    out[f"batch-sharded {name}"] = jax.jit(jax.vmap(fn))(
+      put(p, rows), put(q, rows), put(draft, seq), put(uniforms, seq),
+      num_draft=put(num_draft, vec))
+
+  # 2. Vocab-parallel verification (token and block): V over `model`, batch over `data`.
+  vocab_rows = P("data", None, "model")
+  for rule in ("token", "block"):
+    fn = sd.vocab_parallel_verify(mesh, "model", "data", rule=rule)
+    out[f"vocab-parallel {rule}"] = fn(put(p, vocab_rows), put(q, vocab_rows), put(draft, seq),
+                                       put(uniforms, seq), put(num_draft, vec))
+
+  # 3. The packed entry point (vLLM's interleaved bonus rows), replicated and vocab-parallel.
+  flat = np.concatenate([draft[b, :num_draft[b]] for b in range(B)]).astype(np.int32)
+  target_rows = np.concatenate([p[b, :num_draft[b] + 1] for b in range(B)])
+  draft_rows = np.concatenate([q[b, :num_draft[b]] for b in range(B)])
+  out["packed_verify"] = sd.packed_verify(
+    put(flat, P()), put(num_draft, P()), target_probs=put(target_rows, P()),
+    draft_probs=put(draft_rows, P()), max_spec_len=GAMMA, uniforms=put(uniforms, P()),
+    bonus_rows=True)
+  fn = sd.vocab_parallel_packed_verify(mesh, "model", max_spec_len=GAMMA)
+  out["vocab-parallel packed_verify"] = fn(
+    put(flat, P()), put(num_draft, P()), put(target_rows, P(None, "model")), put(uniforms, P()),
+    draft_probs=put(draft_rows, P(None, "model")))
+
+  # 4. process_logits on batch-sharded rows.
+  logits = rng.normal(size=(B, V)).astype(np.float32)
+  params = sd.SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+  out["process_logits"] = jax.jit(jax.vmap(lambda x: sd.process_logits(x, params)))(
+    put(logits, seq))
+
+  # 5. The decoding loops with a data-parallel batch: prompts, lengths and keys over `data`.
+  target = make_toy_model(jax.random.key(0), TOY_V, name="target")
+  small = make_toy_model(jax.random.key(1), TOY_V, context=1, name="small")
+  feature = make_toy_feature_draft(target, noise=1.0, key=jax.random.key(2))
+  prompts = put(rng.integers(0, TOY_V, size=(B, 5)).astype(np.int32), seq)
+  lengths = put(rng.integers(1, 6, size=B).astype(np.int32), vec)
+  keys = jax.random.wrap_key_data(
+    put(np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), B))), seq))
+  sampled = sd.SamplingParams(temperature=0.8)
+  common = dict(max_new_tokens=10, params=sampled)
+  out["generate"] = sd.generate(target, prompts, lengths, keys, eos_id=3, **common)
+  out["speculative_generate"] = sd.speculative_generate(target, small, prompts, lengths, keys,
+                                                        gamma=3, eos_id=3, **common)
+  out["speculative_generate block"] = sd.speculative_generate(
+    target, small, prompts, lengths, keys, gamma=3, verifier="block", **common)
+  out["speculative_generate lookup adaptive"] = sd.speculative_generate(
+    target, sd.PromptLookup(), prompts, lengths, keys, gamma=3,
+    adaptive=sd.AdaptiveSpeculation(), **common)
+  out["speculative_generate feature draft"] = sd.speculative_generate(
+    target, feature, prompts, lengths, keys, gamma=3, **common)
+  out["tree_speculative_generate"] = sd.tree_speculative_generate(
+    target, small, prompts, lengths, keys, tree=sd.DraftTree.from_branching((2, 1)), **common)
+
+  # 6. A tensor-parallel Llama target in the loop: heads and MLP over `model`, batch over `data`.
+  config = llama.LlamaConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=4,
+                             head_dim=8, ffn_dim=64)
+  weights = llama.init_params(jax.random.key(4), config)
+  model = shard_model(llama.make_model(weights, config), config, mesh, model_axis="model",
+                      batch_axis="data")
+  lprompts = put(rng.integers(0, 32, size=(B, 4)).astype(np.int32), seq)
+  out["tensor-parallel llama"] = sd.speculative_generate(
+    model, sd.PromptLookup(), lprompts, put(np.full(B, 4, np.int32), vec), keys, gamma=2,
+    max_new_tokens=8, params=sd.SamplingParams(0.0)).tokens
+  return out
+
+
+def make_mesh():
+  """The global ``(2, 4)`` mesh ``data x model`` with ``Auto`` axes (XLA's partitioner places
+  what is not annotated; the loops also accept ``Explicit``-axis inputs, see
+  tests/models/test_llama_sharding.py)."""
+  return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def local_put(mesh) -> Callable[[np.ndarray, P], jax.Array]:
+  """``put`` of the single-process side: ``jax.device_put`` onto the mesh."""
+  return lambda host, spec: jax.device_put(host, NamedSharding(mesh, spec))
+
+
+def global_put(mesh) -> Callable[[np.ndarray, P], jax.Array]:
+  """``put`` of a worker: a global array from host data every process holds in full."""
+  def put(host, spec):
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return put

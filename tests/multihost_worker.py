@@ -1,0 +1,44 @@
+"""One process of the multi-process test (tests/test_multihost.py launches two of them).
+
+Usage: ``python tests/multihost_worker.py PORT PROCESS_ID REFERENCE.npz``. The process joins a
+2-process ``jax.distributed`` cluster on localhost (4 CPU devices each, gloo collectives), builds
+the global ``(2, 4)`` mesh ``data x model``, runs :func:`multihost_cases.run_cases` on global
+arrays that span both processes, and checks that every shard it holds equals the same slice of
+the single-process results in ``REFERENCE.npz``, exactly. Prints ``OK <check>`` per check and
+``DONE``; any mismatch raises.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+
+PORT, PROCESS, REFERENCE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"localhost:{PORT}", num_processes=2, process_id=PROCESS,
+                           initialization_timeout=60)
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import multihost_cases  # noqa: E402
+
+assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+mesh = multihost_cases.make_mesh()
+results = multihost_cases.run_cases(mesh, multihost_cases.global_put(mesh))
+with np.load(REFERENCE) as reference:
+  for name, result in results.items():
+    leaves = jax.tree.leaves(result)
+    for i, leaf in enumerate(leaves):
+      want = reference[f"{name}/{i}"]
+      assert isinstance(leaf, jax.Array) and leaf.shape == want.shape, (name, i)
+      assert not leaf.is_fully_addressable, f"{name}: not a global array"
+      for shard in leaf.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index],
+                                      err_msg=f"{name} field {i}")
+    print(f"OK {name}", flush=True)
+print("DONE", flush=True)

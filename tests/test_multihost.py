@@ -1,0 +1,67 @@
+"""Multi-host: two processes on localhost, one global ``(2, 4)`` mesh, gloo CPU collectives.
+
+The test process computes the single-process results of every case
+(:mod:`tests.multihost_cases`) on its own 8 CPU devices and saves them; two worker processes
+(``tests/multihost_worker.py``, 4 devices each) run the same calls on global arrays that span
+both and compare the shards they hold, exactly. A timeout turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from tests import multihost_cases
+
+WORKER = Path(__file__).resolve().parent / "multihost_worker.py"
+TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _gloo_available() -> bool:
+  try:
+    from jax._src.lib import _jax
+  except ImportError:
+    return False
+  return hasattr(_jax, "make_gloo_tcp_collectives")
+
+
+@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_two_processes_give_the_single_process_results(tmp_path):
+  mesh = multihost_cases.make_mesh()
+  results = multihost_cases.run_cases(mesh, multihost_cases.local_put(mesh))
+  arrays = {f"{name}/{i}": np.asarray(leaf) for name, result in results.items()
+            for i, leaf in enumerate(jax.tree.leaves(result))}
+  reference = tmp_path / "reference.npz"
+  np.savez(reference, **arrays)
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(WORKER.parents[1]))
+  env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(reference)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+           for i in range(2)]
+  outputs = []
+  try:
+    for proc in procs:
+      outputs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+  except subprocess.TimeoutExpired:
+    for proc in procs:
+      proc.kill()
+    pytest.fail(f"the workers did not finish within {TIMEOUT_S} s (a hang in a collective?)")
+  for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+    assert proc.returncode == 0, f"process {i} failed:\n{out[-5000:]}"
+    for name in results:
+      assert f"OK {name}\n" in out, f"process {i} did not check {name}:\n{out[-3000:]}"
+    assert "DONE" in out
