@@ -5,7 +5,7 @@ Usage: ``python tests/multihost_worker.py PORT PROCESS_ID REFERENCE.npz``. The p
 the global ``(2, 4)`` mesh ``data x model``, runs :func:`multihost_cases.run_cases` on global
 arrays that span both processes, and checks that every shard it holds equals the same slice of
 the single-process results in ``REFERENCE.npz``, exactly. Prints ``OK <check>`` per check and
-``DONE``; any mismatch raises.
+``DONE``; any mismatch raises. Importing the module (pytest's doctest collection) runs nothing.
 """
 
 from __future__ import annotations
@@ -13,32 +13,36 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import jax
 
-PORT, PROCESS, REFERENCE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 4)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"localhost:{PORT}", num_processes=2, process_id=PROCESS,
-                           initialization_timeout=60)
+def main(port: int, process: int, reference: str) -> None:
+  import jax
 
-import numpy as np  # noqa: E402
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", 4)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process,
+                             initialization_timeout=60)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import multihost_cases  # noqa: E402
+  import numpy as np
 
-assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
-mesh = multihost_cases.make_mesh()
-results = multihost_cases.run_cases(mesh, multihost_cases.global_put(mesh))
-with np.load(REFERENCE) as reference:
-  for name, result in results.items():
-    leaves = jax.tree.leaves(result)
-    for i, leaf in enumerate(leaves):
-      want = reference[f"{name}/{i}"]
-      assert isinstance(leaf, jax.Array) and leaf.shape == want.shape, (name, i)
-      assert not leaf.is_fully_addressable, f"{name}: not a global array"
-      for shard in leaf.addressable_shards:
-        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index],
-                                      err_msg=f"{name} field {i}")
-    print(f"OK {name}", flush=True)
-print("DONE", flush=True)
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
+  import multihost_cases
+
+  assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+  mesh = multihost_cases.make_mesh()
+  results = multihost_cases.run_cases(mesh, multihost_cases.global_put(mesh))
+  with np.load(reference) as want_all:
+    for name, result in results.items():
+      for i, leaf in enumerate(jax.tree.leaves(result)):
+        want = want_all[f"{name}/{i}"]
+        assert isinstance(leaf, jax.Array) and leaf.shape == want.shape, (name, i)
+        assert not leaf.is_fully_addressable, f"{name}: not a global array"
+        for shard in leaf.addressable_shards:
+          np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index],
+                                        err_msg=f"{name} field {i}")
+      print(f"OK {name}", flush=True)
+  print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

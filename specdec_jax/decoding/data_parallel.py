@@ -65,21 +65,15 @@ def sharded_loop(loop: Callable, result_type: type, mesh, axis, batch_args: tupl
                                axis_names=names, check_vma=False))
 
 
-@functools.cache
-def _whole(loop: Callable, static: tuple) -> Callable:
-  return jax.jit(functools.partial(loop, **dict(static)))
-
-
 def loop_function(loop: Callable, result_type: type, args: tuple, batch_args: tuple[bool, ...],
                   static: dict, *, prompt_index: int) -> Callable:
   """The jitted function :func:`run_loop` calls on ``args``: ``loop`` with ``static`` bound,
   under ``shard_map`` over the batch's mesh axis when the prompts are split (cached)."""
-  items = tuple(sorted(static.items()))
   split = batch_axis(args[prompt_index])
   if split is None:
-    return _whole(loop, items)
+    return functools.partial(loop, **static)  # `loop` is jitted with these as static arguments
   mesh, axis = split
-  return sharded_loop(loop, result_type, mesh, axis, batch_args, items)
+  return sharded_loop(loop, result_type, mesh, axis, batch_args, tuple(sorted(static.items())))
 
 
 def run_loop(loop: Callable, result_type: type, args: tuple, batch_args: tuple[bool, ...],

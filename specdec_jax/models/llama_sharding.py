@@ -101,8 +101,8 @@ def shard_model(model: Model, config: LlamaConfig, mesh: Mesh, *, model_axis: st
     >>> mesh = jax.make_mesh((1, 2), ("data", "model"))
     >>> m = shard_model(llama.make_model(llama.init_params(jax.random.key(0), c), c), c, mesh,
     ...                 model_axis="model", batch_axis="data")
-    >>> m.params.layers.wq.sharding.spec
-    PartitionSpec(None, None, 'model')
+    >>> m.params.layers.wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+    True
   """
   n = mesh.shape[model_axis]
   for field in ("n_heads", "n_kv_heads", "ffn_dim"):
