@@ -59,6 +59,7 @@ def _m(id_, file, original, replacement, description, *tests) -> Mutant:
 T_SAMPLE = "tests/test_sample.py"
 T_TRAPS = "tests/test_traps.py"
 T_FEATURE = "tests/decoding/test_feature_adaptive.py"
+T_TREE_LOOP = "tests/decoding/test_tree_loop.py"
 T_WORKED = "tests/test_worked_examples.py"
 T_RAGGED = "tests/test_ragged_and_keys.py"
 T_FAST = "tests/test_fast_path.py"
@@ -309,6 +310,22 @@ MUTANTS: tuple[Mutant, ...] = (
      "lambda carry, k=k: carry[0] == k, loop", "lambda carry, k=k: carry[0] == k + 1, loop",
      "the adaptive target call one token narrower than the proposals", T_FEATURE, "-k",
      "adaptive"),
+  # --- feature drafts in the tree loop (EAGLE-2) ---------------------------------------------
+  _m("tree-feature-of-the-node", "decoding/tree.py",
+     "params_d, node_tokens[:, level], node_features[:, parents[level]],",
+     "params_d, node_tokens[:, level], node_features[:, level],",
+     "a tree node reads its own (empty) feature slot instead of its parent's prediction",
+     T_TREE_LOOP, "-k", "feature_draft_tree"),
+  _m("tree-feature-path-shift", "decoding/tree.py",
+     "draft_cache = (carry[0], node_features[rows[:, None], path], root + 1)",
+     "draft_cache = (carry[0], node_features[rows[:, None], path], root)",
+     "the next sync reads the accepted path's features one position early", T_TREE_LOOP, "-k",
+     "feature_draft_tree"),
+  _m("copy-slots-reads-dst", "models/llama.py",
+     "k=cache.k.at[:, rows, :, dst].set(cache.k[:, rows, :, src]),",
+     "k=cache.k.at[:, rows, :, dst].set(cache.k[:, rows, :, dst]),",
+     "copy_slots leaves the keys of the accepted path where the tree put them",
+     "tests/models/test_llama.py", "-k", "copy_slots"),
   # --- multi-device and multi-host --------------------------------------------------------
   _m("loop-not-data-parallel", "decoding/data_parallel.py",
      "  split = batch_axis(args[prompt_index])\n  if split is None:",

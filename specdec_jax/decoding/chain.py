@@ -11,7 +11,6 @@ import numpy as np
 from jax import lax
 
 from specdec_jax._block import block_verify
-from specdec_jax._checks import is_concrete
 from specdec_jax._logits import SamplingParams
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
@@ -41,6 +40,8 @@ from specdec_jax.decoding.drafts import Draft
 from specdec_jax.decoding.drafts import FeatureDraft
 from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import PromptLookup
+from specdec_jax.decoding.drafts import feature_fns
+from specdec_jax.decoding.drafts import feature_prefill
 from specdec_jax.decoding.drafts import propose_features
 from specdec_jax.decoding.drafts import propose_lookup
 from specdec_jax.decoding.drafts import propose_model
@@ -87,7 +88,7 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
       _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
       draft_calls = zero + 1
     elif is_feature:
-      draft_cache = _feature_prefill(draft, draft_params, prompt, prompt_lengths, start[5],
+      draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[5],
                                      gamma=gamma, cache_len=cache_len, vocab=vocab)
       draft_calls = zero + 1
     else:
@@ -194,25 +195,6 @@ def run_one(index: jax.Array, branches, cache):
                                        (flag, cache, done))
   out, extra = done
   return out, cache, extra
-
-
-def _feature_prefill(draft: FeatureFns, draft_params, prompt, prompt_lengths, target_features, *,
-                     gamma: int, cache_len: int, vocab: int):
-  """The feature draft's state after the prompt: ``(cache, features (B, gamma + 1, D), start)``.
-
-  The draft reads positions ``0 .. P - 1`` with the target's features shifted by one (zeros
-  before position 0); the next sync starts at each row's prompt length, where the feature is
-  the target's at the last prompt position.
-  """
-  params_d, _ = draft_params
-  batch, width = prompt.shape
-  cache = draft.init_cache(batch, cache_len)
-  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
-  shifted = jnp.pad(target_features, ((0, 0), (1, 0), (0, 0)))[:, :width]
-  _, _, cache = draft.apply(params_d, model_ids(prompt, vocab), shifted, positions, cache)
-  last = target_features[batch_rows(batch), prompt_lengths - 1]
-  features = jnp.zeros((batch, gamma + 1, *last.shape[1:]), last.dtype).at[:, 0].set(last)
-  return cache, features, prompt_lengths
 
 
 # Which positional arguments of the loops have the batch as their leading axis.
@@ -376,19 +358,7 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   name = "speculative_generate"
   target_fns = model_fns(target, name, "target")
   if isinstance(draft, FeatureDraft):
-    if target.apply_features is None:
-      raise ValueError(f"{name}: a FeatureDraft reads the target's features, but the target "
-                       f"{target.name!r} has no `apply_features` (see specdec_jax.models.Model).")
-    ids = draft.vocab_ids
-    if is_concrete(ids):
-      host = np.asarray(ids)
-      if host.ndim != 1 or host.size == 0 or host.min() < 0 or host.max() >= (
-          target_fns.vocab_size) or np.unique(host).size != host.size:
-        raise ValueError(f"{name}: the draft's `vocab_ids` must be distinct ids in [0, "
-                         f"{target_fns.vocab_size}), got shape {host.shape} instead.")
-    ids = jnp.asarray(ids, jnp.int32)
-    draft_static = FeatureFns(draft.apply, draft.init_cache, int(ids.shape[0]))
-    draft_params = (draft.params, ids)
+    draft_static, draft_params = feature_fns(draft, target, name)
   elif isinstance(draft, PromptLookup):
     if not 1 <= draft.min_ngram <= draft.max_ngram:
       raise ValueError(

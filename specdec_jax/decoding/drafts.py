@@ -8,8 +8,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from specdec_jax._checks import is_concrete
 from specdec_jax._logits import sample_draft
 from specdec_jax.decoding.common import batch_rows
 from specdec_jax.decoding.common import model_ids
@@ -63,6 +65,12 @@ class FeatureDraft(NamedTuple):
     vocab_ids: int32 ``(K,)`` distinct target token ids: logit ``k`` is for token
       ``vocab_ids[k]``.
     name: a label for tables.
+    tree_apply: optional tree-attention form for
+      :func:`~specdec_jax.decoding.tree_speculative_generate`: ``tree_apply(params, tokens
+      (B, T), features (B, T, D), positions (B, T), cache, start (B,), nodes (T,), tree_mask
+      (T, N)) -> (logits (B, T, K), features (B, T, D), cache)``, with the slot and visibility
+      contract of ``Model.tree_apply``; ``features[:, t]`` is the predicted feature of node
+      ``nodes[t]``'s parent.
 
   Reference:
     Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML 2024,
@@ -75,6 +83,7 @@ class FeatureDraft(NamedTuple):
   init_cache: Callable[[int, int], Any]
   vocab_ids: Any
   name: str = "feature draft"
+  tree_apply: Callable[..., Any] | None = None
 
 
 class FeatureFns(NamedTuple):
@@ -83,6 +92,31 @@ class FeatureFns(NamedTuple):
   apply: Callable[..., Any]
   init_cache: Callable[[int, int], Any]
   draft_vocab: int
+  tree_apply: Callable[..., Any] | None = None
+
+
+def feature_fns(draft: FeatureDraft, target: Model, name: str, *,
+                tree: bool = False) -> tuple[FeatureFns, tuple]:
+  """``(static functions, (params, vocab_ids int32))`` of a :class:`FeatureDraft`, checked
+  against the target (its feature forms, the draft vocabulary's ids when readable here)."""
+  need = ("tree_apply_features",) if tree else ("apply_features",)
+  for field in need:
+    if getattr(target, field) is None:
+      raise ValueError(f"{name}: a FeatureDraft reads the target's features, but the target "
+                       f"{target.name!r} has no `{field}` (see specdec_jax.models.Model).")
+  if tree and draft.tree_apply is None:
+    raise ValueError(f"{name}: the FeatureDraft {draft.name!r} has no `tree_apply` (tree "
+                     f"attention over the draft's nodes), needed to draft a tree.")
+  ids = draft.vocab_ids
+  if is_concrete(ids):
+    host = np.asarray(ids)
+    if host.ndim != 1 or host.size == 0 or host.min() < 0 or host.max() >= (
+        target.vocab_size) or np.unique(host).size != host.size:
+      raise ValueError(f"{name}: the draft's `vocab_ids` must be distinct ids in [0, "
+                       f"{target.vocab_size}), got shape {host.shape} instead.")
+  ids = jnp.asarray(ids, jnp.int32)
+  return (FeatureFns(draft.apply, draft.init_cache, int(ids.shape[0]), draft.tree_apply),
+          (draft.params, ids))
 
 
 #: A draft for :func:`speculative_generate`: another :class:`Model` (same vocabulary as the
@@ -198,6 +232,25 @@ def propose_features(draft: FeatureFns, draft_params, state, tokens, lengths, st
   tokens_out, q, (cache, _) = run_ahead(step, first, first_q, (cache, predicted[rows, at][:, None]),
                                         gamma=gamma, steps=gamma if steps is None else steps)
   return tokens_out, q, cache
+
+
+def feature_prefill(draft: FeatureFns, draft_params, prompt, prompt_lengths, target_features, *,
+                     gamma: int, cache_len: int, vocab: int):
+  """The feature draft's state after the prompt: ``(cache, features (B, gamma + 1, D), start)``.
+
+  The draft reads positions ``0 .. P - 1`` with the target's features shifted by one (zeros
+  before position 0); the next sync starts at each row's prompt length, where the feature is
+  the target's at the last prompt position.
+  """
+  params_d, _ = draft_params
+  batch, width = prompt.shape
+  cache = draft.init_cache(batch, cache_len)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
+  shifted = jnp.pad(target_features, ((0, 0), (1, 0), (0, 0)))[:, :width]
+  _, _, cache = draft.apply(params_d, model_ids(prompt, vocab), shifted, positions, cache)
+  last = target_features[batch_rows(batch), prompt_lengths - 1]
+  features = jnp.zeros((batch, gamma + 1, *last.shape[1:]), last.dtype).at[:, 0].set(last)
+  return cache, features, prompt_lengths
 
 
 def lookup_row(row: jax.Array, length: jax.Array, spec: PromptLookup, gamma: int):

@@ -34,7 +34,10 @@ from specdec_jax.decoding.common import processed
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.data_parallel import run_loop
-from specdec_jax.decoding.types import ModelFns
+from specdec_jax.decoding.drafts import FeatureDraft
+from specdec_jax.decoding.drafts import FeatureFns
+from specdec_jax.decoding.drafts import feature_fns
+from specdec_jax.decoding.drafts import feature_prefill
 from specdec_jax.decoding.types import SpecState
 from specdec_jax.decoding.types import SpeculativeResult
 from specdec_jax.models.protocol import Model
@@ -135,6 +138,18 @@ class DraftTree(NamedTuple):
     return mask
 
 
+class TreeFns(NamedTuple):
+  """A model's static functions including the tree ones (hashable)."""
+
+  apply: Callable[..., Any]
+  init_cache: Callable[[int, int], Any]
+  vocab_size: int
+  tree_apply: Callable[..., Any]
+  copy_slots: Callable[..., Any]
+  apply_features: Callable[..., Any] | None = None
+  tree_apply_features: Callable[..., Any] | None = None
+
+
 def check_draft_tree(tree: DraftTree, name: str) -> DraftTree:
   if not isinstance(tree, DraftTree):
     raise TypeError(f"{name}: `tree` must be a DraftTree, got {type(tree).__name__} instead.")
@@ -161,18 +176,24 @@ def check_draft_tree(tree: DraftTree, name: str) -> DraftTree:
   return tree
 
 
-def tree_candidates(logits, key, params, width: int, law: str):
+def tree_candidates(logits, key, params, width: int, law: str, vocab_ids=None, vocab=None):
   """``width`` candidate tokens after one node and the law they follow: ``(ids (width,), q (V,))``.
 
   ``"deterministic"``: the top-``width`` tokens of the draft's raw logits (ties to the
   lower id), whatever ``params``; ``"iid"``: ``width`` independent inverse-CDF samples
-  from the draft's processed distribution.
+  from the draft's processed distribution. With ``vocab_ids (K,)`` the logits are over that
+  subset of the ``vocab`` ids (a :class:`~specdec_jax.decoding.FeatureDraft`): the candidates
+  are mapped to their ids and ``q`` is zero elsewhere.
   """
   q = process_logits(logits, params)
   if law == "deterministic":
-    return lax.top_k(logits, width)[1].astype(jnp.int32), q
-  u = uniform(key, (width,))
-  return jax.vmap(sample_index, in_axes=(None, 0))(q, u), q
+    ids = lax.top_k(logits, width)[1].astype(jnp.int32)
+  else:
+    u = uniform(key, (width,))
+    ids = jax.vmap(sample_index, in_axes=(None, 0))(q, u)
+  if vocab_ids is None:
+    return ids, q
+  return vocab_ids[ids], jnp.zeros((vocab,), q.dtype).at[vocab_ids].set(q)
 
 
 @functools.partial(
@@ -181,7 +202,7 @@ def tree_candidates(logits, key, params, width: int, law: str):
                    "max_len", "context", "pad_id"),
 )
 def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params,
-              eos_id, *, target: ModelFns, draft: ModelFns, tree: DraftTree, law: str,
+              eos_id, *, target: TreeFns, draft: TreeFns | FeatureFns, tree: DraftTree, law: str,
               tree_verifier, max_new_tokens: int, max_len: int, context: int | None,
               pad_id: int):
   batch = prompt.shape[0]
@@ -194,6 +215,7 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
   mask = jnp.asarray(tree.ancestors())
   width = max(1, int(ranks.max()) + 1)  # candidates drafted per node
   need_q = law != "deterministic" or tree_verifier is not default_tree_verifier(law, depth)
+  is_feature = isinstance(draft, FeatureFns)
   levels = [np.flatnonzero(depths == d).astype(np.int32) for d in range(depth + 1)]
   # Nodes of depth <= d are a prefix (breadth-first order): num_nodes for a depth budget d.
   level_end = jnp.asarray([int((depths <= d).sum()) for d in range(depth + 1)], jnp.int32)
@@ -202,9 +224,16 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
                           max_new_tokens=max_new_tokens, max_len=max_len, context=context,
                           vocab=vocab)
   stop_len = common.stop_len
-  tokens, lengths, done, target_cache, first_error = prefill_and_start(
-    target, target_params, prompt, common, max_len, cache_len, pad_id)
-  _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
+  start = prefill_and_start(target, target_params, prompt, common, max_len, cache_len, pad_id,
+                            features=is_feature)
+  tokens, lengths, done, target_cache, first_error = start[:5]
+  if is_feature:  # (cache, target features at positions start - 1 .. start + depth - 1, start)
+    draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[5],
+                                  gamma=depth, cache_len=cache_len, vocab=vocab)
+    vocab_ids = draft_params[1]
+  else:
+    _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
+    vocab_ids = None
   zero = jnp.int32(0)
   counts = jnp.zeros((batch,), jnp.int32)
   at = jnp.zeros((batch, depth), jnp.int32)
@@ -213,8 +242,46 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
                      error | first_error)
   slots = jnp.arange(depth, dtype=jnp.int32)
   all_nodes = jnp.arange(size, dtype=jnp.int32)
-  candidates = jax.vmap(jax.vmap(tree_candidates, in_axes=(0, 0, None, None, None)),
-                        in_axes=(0, 0, 0, None, None))
+  candidates = jax.vmap(jax.vmap(tree_candidates, in_axes=(0, 0, None, None, None, None, None)),
+                        in_axes=(0, 0, 0, None, None, None, None))
+
+  def model_draft(s: SpecState, root):
+    """The draft model's first call (the tokens at ``L - 2, L - 1``) and its per-level call."""
+    sync = jnp.clip(jnp.stack([jnp.maximum(root - 1, 0), root], axis=1), 0, cache_len - 1)
+    logits, cache = draft.apply(draft_params, model_ids(s.tokens[rows[:, None], sync], vocab),
+                                sync, s.draft_cache)
+
+    def level_call(d, level, node_tokens, cache):
+      positions = jnp.broadcast_to((root + d)[:, None], (batch, len(level)))
+      return draft.tree_apply(draft_params, node_tokens[:, level],
+                              jnp.clip(positions, 0, cache_len - 1), cache, root,
+                              jnp.asarray(level), mask[level])
+
+    return logits[:, -1:], cache, level_call
+
+  def feature_draft(s: SpecState, root):
+    """The feature draft's sync on the target's last features, then per level each node reads
+    the feature its parent predicted (EAGLE-2's tree drafting)."""
+    cache, features, begin = s.draft_cache
+    params_d = draft_params[0]
+    window = jnp.clip(begin[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None], 0,
+                      cache_len - 1)
+    inputs = s.tokens[rows[:, None], jnp.clip(window, 0, s.tokens.shape[1] - 1)]
+    logits, predicted, cache = draft.apply(params_d, model_ids(inputs, vocab), features, window,
+                                           cache)
+    at = jnp.clip(root - begin, 0, depth)  # the root's index in the window
+    node_features = jnp.zeros((batch, size, predicted.shape[-1]), predicted.dtype)
+    node_features = node_features.at[:, 0].set(predicted[rows, at])
+
+    def level_call(d, level, node_tokens, carry):
+      cache, node_features = carry
+      positions = jnp.broadcast_to((root + d)[:, None], (batch, len(level)))
+      logits, g, cache = draft.tree_apply(
+        params_d, node_tokens[:, level], node_features[:, parents[level]],
+        jnp.clip(positions, 0, cache_len - 1), cache, root, jnp.asarray(level), mask[level])
+      return logits, (cache, node_features.at[:, level].set(g))
+
+    return logits[rows, at][:, None], (cache, node_features), level_call
 
   def cond(s: SpecState):
     return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
@@ -227,33 +294,34 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
     step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
     node_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 1), size))(step_keys)
 
-    # Draft the tree level by level: a T = 2 sync call gives the root's candidates, then
-    # one tree-attention call per level gives the candidates after each of its nodes.
+    # Draft the tree level by level: a first call gives the root's candidates, then one
+    # tree-attention call per level gives the candidates after each of its nodes.
     node_tokens = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(s.tokens[rows, root])
     # The point-mass rule never reads q: then no draft distribution is materialised.
     q = jnp.zeros((batch, size, vocab), jnp.float32) if need_q else None
-    sync = jnp.clip(jnp.stack([jnp.maximum(root - 1, 0), root], axis=1), 0, cache_len - 1)
-    logits, draft_cache = draft.apply(draft_params, model_ids(s.tokens[rows[:, None], sync], vocab),
-                                      sync, s.draft_cache)
-    ids, q_root = candidates(logits[:, -1:], node_keys[:, :1], params, width, law)
+    root_logits, carry, level_call = (feature_draft if is_feature else model_draft)(s, root)
+    ids, q_root = candidates(root_logits, node_keys[:, :1], params, width, law, vocab_ids, vocab)
     cands = jnp.zeros((batch, size, width), jnp.int32).at[:, :1].set(ids)
     q = q.at[:, :1].set(q_root) if need_q else None
     for d in range(1, depth + 1):
       level = levels[d]
       node_tokens = node_tokens.at[:, level].set(cands[:, parents[level], ranks[level]])
       if d < depth:  # the deepest level's candidates are never needed
-        positions = jnp.broadcast_to((root + d)[:, None], (batch, len(level)))
-        logits, draft_cache = draft.tree_apply(
-          draft_params, node_tokens[:, level], jnp.clip(positions, 0, cache_len - 1),
-          draft_cache, root, jnp.asarray(level), mask[level])
-        ids, q_level = candidates(logits, node_keys[:, level], params, width, law)
+        logits, carry = level_call(d, level, node_tokens, carry)
+        ids, q_level = candidates(logits, node_keys[:, level], params, width, law, vocab_ids,
+                                  vocab)
         cands = cands.at[:, level].set(ids)
         q = q.at[:, level].set(q_level) if need_q else None
 
     # One target call scores every node with tree attention.
     positions = jnp.clip(root[:, None] + jnp.asarray(depths)[None], 0, cache_len - 1)
-    logits, target_cache = target.tree_apply(target_params, model_ids(node_tokens, vocab),
-                                             positions, s.target_cache, root, all_nodes, mask)
+    if is_feature:
+      logits, node_features, target_cache = target.tree_apply_features(
+        target_params, model_ids(node_tokens, vocab), positions, s.target_cache, root, all_nodes,
+        mask)
+    else:
+      logits, target_cache = target.tree_apply(target_params, model_ids(node_tokens, vocab),
+                                               positions, s.target_cache, root, all_nodes, mask)
     p = processed(logits, params)
     uniforms = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0), (size,)))(step_keys)
     tree_parents = jnp.asarray(parents)
@@ -266,24 +334,19 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
     src = jnp.where(slots[None] < accepted[:, None], root[:, None] + result.path[:, :depth], dst)
     src = jnp.clip(src, 0, cache_len - 1)
     target_cache = target.copy_slots(target_cache, src, dst)
-    draft_cache = draft.copy_slots(draft_cache, src, dst)
+    if is_feature:
+      # The next sync re-reads the accepted path (root + 1 ..) with the target's features of
+      # the root and the path; it rewrites those slots, so the draft's cache needs no copy.
+      path = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32),
+                              jnp.clip(result.path[:, :depth], 0, size - 1)], axis=1)
+      draft_cache = (carry[0], node_features[rows[:, None], path], root + 1)
+    else:
+      draft_cache = draft.copy_slots(carry, src, dst)
     return after_verify(s, result, common, active=active, target_cache=target_cache,
                          draft_cache=draft_cache, draft_calls=s.draft_calls + depth,
                          proposals=jnp.where(active, num_nodes - 1, 0), depth=budget)
 
   return speculative_result(lax.while_loop(cond, body, state), common)
-
-
-
-
-class TreeFns(NamedTuple):
-  """A model's static functions including the tree ones (hashable)."""
-
-  apply: Callable[..., Any]
-  init_cache: Callable[[int, int], Any]
-  vocab_size: int
-  tree_apply: Callable[..., Any]
-  copy_slots: Callable[..., Any]
 
 
 def tree_model_fns(model: Model, name: str, arg: str) -> TreeFns:
@@ -293,11 +356,13 @@ def tree_model_fns(model: Model, name: str, arg: str) -> TreeFns:
       f"{name}: `{arg}` must provide `tree_apply` and `copy_slots` (tree attention; see "
       f"specdec_jax.models.protocol), got a Model named {model.name!r} without them."
     )
-  return TreeFns(fns.apply, fns.init_cache, fns.vocab_size, model.tree_apply, model.copy_slots)
+  return TreeFns(fns.apply, fns.init_cache, fns.vocab_size, model.tree_apply, model.copy_slots,
+                 model.apply_features, model.tree_apply_features)
 
 
-def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Array,
-                              prompt_lengths: jax.Array, key: jax.Array, *, tree: DraftTree,
+def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
+                              prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                              key: jax.Array, *, tree: DraftTree,
                               max_new_tokens: int, params: SamplingParams = SamplingParams(),
                               law: str = "deterministic", eos_id: int | None = None,
                               max_len: int | None = None, tree_verifier: Callable | None = None,
@@ -313,7 +378,10 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
      ``c`` gets the ``tree.ranks[c]``-th candidate after its parent (``law``:
      ``"deterministic"`` = the draft's top-k tokens, EAGLE-2's top-k tree;
      ``"iid"`` = independent samples from the draft's processed distribution,
-     SpecInfer). ``tree.depth`` draft calls per iteration;
+     SpecInfer). ``tree.depth`` draft calls per iteration. A
+     :class:`~specdec_jax.decoding.FeatureDraft` (EAGLE-2) is first synced on the tokens
+     the target scored last with the target's features, then each node reads the feature
+     its parent predicted;
   2. the target scores all ``N`` nodes in ONE ``tree_apply`` call: node ``c`` at
      position ``L - 1 + depth(c)`` in slot ``L - 1 + c``, attending to the context
      and its own ancestors;
@@ -340,7 +408,9 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
 
   Args:
     target: the target :class:`Model`, with ``tree_apply`` and ``copy_slots``.
-    draft: the draft :class:`Model` (same vocabulary), with ``tree_apply`` and ``copy_slots``.
+    draft: the draft :class:`Model` (same vocabulary), with ``tree_apply`` and ``copy_slots``,
+      or a :class:`~specdec_jax.decoding.FeatureDraft` with ``tree_apply`` (then the target
+      needs ``apply_features`` and ``tree_apply_features``).
     prompt_tokens: int ``(B, P)`` right-padded prompts.
     prompt_lengths: int ``(B,)`` in ``[1, P]``.
     key: one ``jax.random`` key (split into one per row) or ``B`` keys, one per row.
@@ -387,17 +457,27 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
   """
   name = "tree_speculative_generate"
   target_fns = tree_model_fns(target, name, "target")
-  draft_fns = tree_model_fns(draft, name, "draft")
-  if draft_fns.vocab_size != target_fns.vocab_size:
-    raise ValueError(
-      f"{name}: the draft must share the target's vocabulary, got V = {draft_fns.vocab_size} "
-      f"for the draft and V = {target_fns.vocab_size} for the target."
-    )
+  if isinstance(draft, FeatureDraft):
+    draft_fns, draft_params = feature_fns(draft, target, name, tree=True)
+  else:
+    draft_fns, draft_params = tree_model_fns(draft, name, "draft"), draft.params
+    if draft_fns.vocab_size != target_fns.vocab_size:
+      raise ValueError(
+        f"{name}: the draft must share the target's vocabulary, got V = {draft_fns.vocab_size} "
+        f"for the draft and V = {target_fns.vocab_size} for the target."
+      )
   tree = check_draft_tree(tree, name)
   if tree.size < 2:
     raise ValueError(f"{name}: `tree` must have at least one node besides the root.")
   if law not in TREE_LAWS:
     raise ValueError(f"{name}: `law` must be one of {TREE_LAWS}, got {law!r} instead.")
+  width = max(tree.ranks) + 1
+  draft_vocab = draft_fns.draft_vocab if isinstance(draft_fns, FeatureFns) else (
+    draft_fns.vocab_size)
+  if law == "deterministic" and width > draft_vocab:
+    raise ValueError(f"{name}: the tree asks for the top {width} candidates per node, but the "
+                     f"draft's vocabulary has only {draft_vocab} ids; use a narrower tree or "
+                     f"law='iid'.")
   if tree_verifier is None:
     tree_verifier = default_tree_verifier(law, tree.depth)
   elif not callable(tree_verifier):
@@ -407,9 +487,10 @@ def tree_speculative_generate(target: Model, draft: Model, prompt_tokens: jax.Ar
   vocab = target_fns.vocab_size
   prompt, lengths, tokens_ok = check_prompt(prompt_tokens, prompt_lengths, name, vocab)
   batch, width = prompt.shape
-  contexts = (("target", target.context_length), ("draft", draft.context_length))
+  contexts = (("target", target.context_length),
+              ("draft", getattr(draft, "context_length", None)))
   max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
-  args = auto_axes((target.params, draft.params, prompt, lengths, tokens_ok,
+  args = auto_axes((target.params, draft_params, prompt, lengths, tokens_ok,
                     make_row_keys(key, batch, name), batch_params(params, batch, name),
                     check_eos(eos_id, name, vocab)))
   static = dict(target=target_fns, draft=draft_fns, tree=tree, law=law,

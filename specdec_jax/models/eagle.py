@@ -38,6 +38,7 @@ from specdec_jax.models.llama import LlamaParams
 from specdec_jax.models.llama import decoder_layer
 from specdec_jax.models.llama import init_cache as llama_init_cache
 from specdec_jax.models.llama import rope_angles
+from specdec_jax.models.llama import tree_visibility
 
 
 class EagleWeights(NamedTuple):
@@ -109,15 +110,42 @@ def eagle_apply(params: EagleParams, tokens: jax.Array, features: jax.Array, pos
     ``(logits (B, T, K), features (B, T, D), cache)``: logits over the draft vocabulary and the
     predicted features ``g[t]``.
   """
-  tokens = jnp.asarray(tokens, jnp.int32)
   positions = jnp.asarray(positions, jnp.int32)
-  e = jnp.take(params.embed, tokens, axis=0, mode="clip")
-  x = jnp.concatenate([e, features.astype(jnp.float32)], axis=-1) @ params.weights.fc
-  cos, sin = rope_angles(positions, config)
   size = cache.k.shape[3]
   visible = jnp.arange(size, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+  return _layer(params, tokens, features, positions, positions, visible, cache, config)
+
+
+def eagle_tree_apply(params: EagleParams, tokens: jax.Array, features: jax.Array,
+                     positions: jax.Array, cache: KVCache, start: jax.Array, nodes: jax.Array,
+                     tree_mask: jax.Array, *, config: LlamaConfig
+                     ) -> tuple[jax.Array, jax.Array, KVCache]:
+  """The draft's forward over nodes of a draft tree: ``FeatureDraft.tree_apply`` (EAGLE-2).
+
+  Node ``nodes[t]`` is written to slot ``start + nodes[t]`` and attends to the slots before
+  ``start`` and to its ancestors' tree slots (:func:`~specdec_jax.models.llama.tree_visibility`);
+  ``features[:, t]`` is the feature its parent predicted.
+
+  Returns:
+    ``(logits (B, T, K), features (B, T, D), cache)``.
+
+  Reference:
+    Li et al., "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees",
+    arXiv:2406.16858.
+  """
+  slots, visible = tree_visibility(start, nodes, tree_mask, cache.k.shape[3])
+  return _layer(params, tokens, features, jnp.asarray(positions, jnp.int32), slots, visible,
+                cache, config)
+
+
+def _layer(params: EagleParams, tokens, features, positions, slots, visible, cache: KVCache,
+           config: LlamaConfig):
+  """``concat(embed(x), f) @ fc``, the decoder layer (written at ``slots``), the head."""
+  e = jnp.take(params.embed, jnp.asarray(tokens, jnp.int32), axis=0, mode="clip")
+  x = jnp.concatenate([e, features.astype(jnp.float32)], axis=-1) @ params.weights.fc
+  cos, sin = rope_angles(positions, config)
   w = jax.tree.map(lambda a: a[0], params.weights.layer)
-  g, cache = decoder_layer(config, w, x, cache, jnp.int32(0), positions, visible, cos, sin)
+  g, cache = decoder_layer(config, w, x, cache, jnp.int32(0), slots, visible, cos, sin)
   return g @ params.head.T, g, cache
 
 
@@ -162,14 +190,16 @@ def make_eagle_draft(weights: EagleWeights, vocab_ids: np.ndarray | jax.Array,
   ids = jnp.asarray(ids, jnp.int32)
   params = EagleParams(weights=jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), weights),
                        embed=target_params.embed, head=jnp.take(head_all, ids, axis=0))
-  apply, cache = _functions(layer_config(target_config))
-  return FeatureDraft(params=params, apply=apply, init_cache=cache, vocab_ids=ids, name=name)
+  apply, cache, tree_apply = _functions(layer_config(target_config))
+  return FeatureDraft(params=params, apply=apply, init_cache=cache, vocab_ids=ids, name=name,
+                      tree_apply=tree_apply)
 
 
 @functools.cache
 def _functions(config: LlamaConfig):
   apply = jax.jit(functools.partial(eagle_apply, config=config))
-  return apply, functools.partial(llama_init_cache, config, n_layers=1)
+  tree_apply = jax.jit(functools.partial(eagle_tree_apply, config=config))
+  return apply, functools.partial(llama_init_cache, config, n_layers=1), tree_apply
 
 
 def save_eagle(path: str | Path, weights: EagleWeights, vocab_ids: np.ndarray) -> None:

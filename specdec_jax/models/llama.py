@@ -401,18 +401,51 @@ def llama_tree_apply(
   Reference:
     Miao et al., "SpecInfer", arXiv:2305.09781 (tree attention).
   """
-  tokens = jnp.asarray(tokens, jnp.int32)
-  positions = jnp.asarray(positions, jnp.int32)
+  slots, visible = tree_visibility(start, nodes, tree_mask, cache.k.shape[3])
+  logits, _, cache = _forward(params, jnp.asarray(tokens, jnp.int32),
+                              jnp.asarray(positions, jnp.int32), slots, visible, cache, config,
+                              layers)
+  return logits, cache
+
+
+def llama_tree_apply_features(
+  params: LlamaParams,
+  tokens: jax.Array,
+  positions: jax.Array,
+  cache: KVCache,
+  start: jax.Array,
+  nodes: jax.Array,
+  tree_mask: jax.Array,
+  *,
+  config: LlamaConfig,
+  layers: tuple[int, ...] | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+  """:func:`llama_tree_apply` that also returns the hidden states the head reads: the
+  protocol's ``Model.tree_apply_features``, for a feature draft (EAGLE) that drafts a tree.
+
+  Returns:
+    ``(logits (B, T, V), features (B, T, D), cache)``.
+  """
+  slots, visible = tree_visibility(start, nodes, tree_mask, cache.k.shape[3])
+  return _forward(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
+                  slots, visible, cache, config, layers)
+
+
+def tree_visibility(start: jax.Array, nodes: jax.Array, tree_mask: jax.Array,
+                    size: int) -> tuple[jax.Array, jax.Array]:
+  """Where tree tokens are written and what they see: ``(slots (B, T), visible (B, T, S))``.
+
+  Token ``t`` (node ``nodes[t]``) goes to slot ``start[b] + nodes[t]`` and sees every slot
+  before ``start[b]`` and the tree slots ``start[b] + j`` with ``tree_mask[t, j]``.
+  """
   start = jnp.asarray(start, jnp.int32)[:, None]  # (B, 1)
   nodes = jnp.asarray(nodes, jnp.int32)
-  size, width = cache.k.shape[3], tree_mask.shape[1]
+  width = tree_mask.shape[1]
   rel = jnp.arange(size, dtype=jnp.int32)[None, :] - start  # (B, S): slot minus the tree start
   in_tree = jnp.take(jnp.asarray(tree_mask, bool), jnp.clip(rel, 0, width - 1), axis=1)
   in_tree = jnp.moveaxis(in_tree, 1, 0)  # (B, T, S)
   visible = (rel[:, None, :] < 0) | ((rel[:, None, :] < width) & in_tree)
-  slots = start + nodes[None, :]
-  logits, _, cache = _forward(params, tokens, positions, slots, visible, cache, config, layers)
-  return logits, cache
+  return start + nodes[None, :], visible
 
 
 def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -429,11 +462,13 @@ def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
   Returns:
     The updated :class:`KVCache`.
   """
-  def row(k, v, s, d):  # k, v: (layers, KV, S, hd)
-    return k.at[:, :, d].set(k[:, :, s]), v.at[:, :, d].set(v[:, :, s])
-
-  k, v = jax.vmap(row, in_axes=(1, 1, 0, 0), out_axes=(1, 1))(cache.k, cache.v, src, dst)
-  return KVCache(k=k, v=v)
+  # One gather and one scatter on the cache's own layout (the index result is (B, K, layers,
+  # KV, hd)), so XLA updates it in place; a vmap over the batch axis made it transpose (copy)
+  # the whole cache several times per decoding iteration.
+  rows = jnp.arange(src.shape[0], dtype=jnp.int32)[:, None]
+  src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+  return KVCache(k=cache.k.at[:, rows, :, dst].set(cache.k[:, rows, :, src]),
+                 v=cache.v.at[:, rows, :, dst].set(cache.v[:, rows, :, src]))
 
 
 def init_cache(
@@ -477,7 +512,8 @@ def make_model(
   Returns:
     :class:`Model` with ``apply(params, tokens (B, T), positions (B, T), cache)
     -> (logits (B, T, V) float32, cache)``, ``init_cache(batch, max_len)``, the tree
-    functions :func:`llama_tree_apply` and :func:`copy_slots`, and ``context_length =
+    functions :func:`llama_tree_apply` and :func:`copy_slots`, the feature forms
+    :func:`llama_apply_features` and :func:`llama_tree_apply_features`, and ``context_length =
     config.max_position``. Called with concrete arguments, ``apply`` and ``tree_apply``
     raise on token ids outside ``[0, V)`` and on cache slots outside ``[0, max_len)``.
   """
@@ -491,17 +527,18 @@ def make_model(
       layer_ids = None  # all layers: the same functions as the full model
   if name is None:
     name = "llama" if layer_ids is None else f"llama[{len(layer_ids)}/{config.n_layers} layers]"
-  apply, make_cache, tree_apply, apply_features = _functions(config, layer_ids)
+  apply, make_cache, tree_apply, apply_features, tree_features = _functions(config, layer_ids)
   return Model(
     params=params, apply=apply, init_cache=make_cache, vocab_size=config.vocab_size, name=name,
     tree_apply=tree_apply, copy_slots=_copy_slots_jit, context_length=config.max_position,
-    apply_features=apply_features,
+    apply_features=apply_features, tree_apply_features=tree_features,
   )
 
 
 @functools.cache
 def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
-  """``(apply, init_cache, tree_apply, apply_features)`` for a config and layer subset, built once.
+  """``(apply, init_cache, tree_apply, apply_features, tree_apply_features)`` for a config and
+  layer subset, built once.
 
   Models of the same shape get the same function objects, so a loop that takes them as static
   (hashed) arguments compiles once for all of them.
@@ -510,10 +547,13 @@ def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
   apply = jax.jit(functools.partial(llama_apply, config=config, layers=layers))
   tree_apply = jax.jit(functools.partial(llama_tree_apply, config=config, layers=layers))
   features = jax.jit(functools.partial(llama_apply_features, config=config, layers=layers))
+  tree_features = jax.jit(functools.partial(llama_tree_apply_features, config=config,
+                                            layers=layers))
   return (_checked_apply(apply, config.vocab_size), functools.partial(init_cache, config,
                                                                        n_layers=n_run),
           _checked_tree_apply(tree_apply, config.vocab_size),
-          _checked_apply(features, config.vocab_size))
+          _checked_apply(features, config.vocab_size),
+          _checked_tree_apply(tree_features, config.vocab_size))
 
 
 def _check_ids(fn: str, tokens, vocab: int) -> None:

@@ -58,6 +58,9 @@ class Model(NamedTuple):
       features (B, T, D), cache)``: ``apply`` that also returns the hidden states the output
       head reads. Needed of a *target* whose draft reads its features
       (:class:`~specdec_jax.decoding.FeatureDraft`, EAGLE); other loops never call it.
+    tree_apply_features: optional ``tree_apply`` that also returns the features, ``(logits,
+      features (B, T, D), cache)``: needed of a target whose feature draft drafts a tree
+      (:func:`~specdec_jax.decoding.tree_speculative_generate` with a ``FeatureDraft``).
     context_length: optional number of positions the model was trained for (its context
       window). The decoding loops never generate past it: a budget that does not fit raises
       when the lengths are concrete, and rows that reach it stop with ``OUT_OF_ROOM``.
@@ -72,3 +75,4 @@ class Model(NamedTuple):
   copy_slots: Callable[..., Any] | None = None
   context_length: int | None = None
   apply_features: Callable[..., Any] | None = None
+  tree_apply_features: Callable[..., Any] | None = None

@@ -36,14 +36,17 @@ def _apply_trigram(params, tokens, positions, cache):
 
 def _features_trigram(params, tokens, positions, cache):
   """``apply`` plus features: ``concat(one_hot(previous token, V + 1), one_hot(token, V))``."""
+  logits, cache = _apply_trigram(params, tokens, positions, cache)
+  return logits, _trigram_features(params, tokens, positions - 1, cache), cache
+
+
+def _trigram_features(params, tokens, prev_slots, cache):
+  """``concat(one_hot(token at prev_slots, V + 1), one_hot(token, V))``; row ``V``: no token."""
   vocab = params["table"].shape[-1]
   rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
-  logits, cache = _apply_trigram(params, tokens, positions, cache)
-  prev_pos = positions - 1
-  prev = cache[rows, jnp.clip(prev_pos, 0, cache.shape[1] - 1)]
-  prev = jnp.where(prev_pos >= 0, prev, vocab)
-  features = jnp.concatenate([jax.nn.one_hot(prev, vocab + 1), jax.nn.one_hot(tokens, vocab)], -1)
-  return logits, features, cache
+  prev = cache[rows, jnp.clip(prev_slots, 0, cache.shape[1] - 1)]
+  prev = jnp.where(prev_slots >= 0, prev, vocab)
+  return jnp.concatenate([jax.nn.one_hot(prev, vocab + 1), jax.nn.one_hot(tokens, vocab)], -1)
 
 
 def _apply_bigram(params, tokens, positions, cache):
@@ -69,6 +72,13 @@ def _tree_apply_trigram(params, tokens, positions, cache, start, nodes, tree_mas
   prev = cache[rows, jnp.clip(prev_slot, 0, cache.shape[1] - 1)]
   prev = jnp.where(positions >= 1, prev, vocab)
   return table[prev, tokens].astype(jnp.float32), cache
+
+
+def _tree_features_trigram(params, tokens, positions, cache, start, nodes, tree_mask):
+  """``tree_apply`` plus the features of :func:`_features_trigram` (previous = the parent)."""
+  logits, cache = _tree_apply_trigram(params, tokens, positions, cache, start, nodes, tree_mask)
+  prev_slots = jnp.where(positions >= 1, _tree_prev_slots(start, nodes, tree_mask), -1)
+  return logits, _trigram_features(params, tokens, prev_slots, cache), cache
 
 
 def _tree_apply_bigram(params, tokens, positions, cache, start, nodes, tree_mask):
@@ -125,7 +135,8 @@ def make_toy_model(key: jax.Array, vocab_size: int, *, context: int = 2, scale: 
   label = name or ("trigram" if context == 2 else "bigram")
   return Model(params={"table": table}, apply=apply, init_cache=_init_cache,
                vocab_size=vocab_size, name=label, tree_apply=tree_apply, copy_slots=_copy_slots,
-               apply_features=_features_trigram if context == 2 else None)
+               apply_features=_features_trigram if context == 2 else None,
+               tree_apply_features=_tree_features_trigram if context == 2 else None)
 
 
 def _feature_draft_apply(params, tokens, features, positions, cache):
@@ -139,6 +150,13 @@ def _feature_draft_apply(params, tokens, features, positions, cache):
   predicted = jnp.concatenate([jax.nn.one_hot(prev, vocab + 1), jax.nn.one_hot(tokens, vocab)],
                               -1)
   return logits, predicted, cache
+
+
+def _feature_draft_tree_apply(params, tokens, features, positions, cache, start, nodes,
+                              tree_mask):
+  """The toy feature draft on tree nodes: each node reads its parent's feature, no cache."""
+  del start, nodes, tree_mask
+  return _feature_draft_apply(params, tokens, features, positions, cache)
 
 
 def make_toy_feature_draft(target: Model, *, noise: float = 0.0, key: jax.Array | None = None,
@@ -164,7 +182,8 @@ def make_toy_feature_draft(target: Model, *, noise: float = 0.0, key: jax.Array 
   ids = jnp.arange(vocab, dtype=jnp.int32) if vocab_ids is None else jnp.asarray(vocab_ids,
                                                                                 jnp.int32)
   return FeatureDraft(params={"table": table, "ids": ids}, apply=_feature_draft_apply,
-                      init_cache=_init_cache, vocab_ids=ids, name=name)
+                      init_cache=_init_cache, vocab_ids=ids, name=name,
+                      tree_apply=_feature_draft_tree_apply)
 
 
 __all__ = ("make_toy_feature_draft", "make_toy_model")

@@ -1,9 +1,11 @@
 """Tree drafts in the decoding loop: greedy agreement, sequence exactness, ragged rows, budgets.
 
 The toy models' ``tree_apply`` reads each node's parent slot (tree attention for an n-gram
-model), so their sequence distribution stays enumerable. Chi-square tests use fixed seeds and
-a family-wise ``ALPHA = 0.01`` over the two exactness tests of this module (Bonferroni); each
-negative control must be rejected at ``1e-6``.
+model), so their sequence distribution stays enumerable. The toy feature draft (EAGLE-style,
+:func:`~specdec_jax.models.toy.make_toy_feature_draft`) reads the previous token off the feature
+it is handed, so without noise it is the target exactly when every tree node gets its parent's
+feature. Chi-square tests use fixed seeds and a family-wise ``ALPHA = 0.01`` over the four
+exactness tests of this module (Bonferroni); each negative control must be rejected at ``1e-6``.
 """
 
 from __future__ import annotations
@@ -21,19 +23,23 @@ from specdec_jax import tree_verify
 from specdec_jax.decoding import DraftTree
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import tree_speculative_generate
+from specdec_jax.models.toy import make_toy_feature_draft
 from specdec_jax.models.toy import make_toy_model
 from specdec_jax.theory import chi_square_test
 from tests._helpers import exact_sequence_probs
 from tests._helpers import sequence_index
 
 ALPHA = 0.01
-NUM_EXACT_TESTS = 2  # one per drafting law
+NUM_EXACT_TESTS = 4  # one per drafting law and draft kind (model, feature)
 GREEDY = SamplingParams(temperature=0.0)
 V = 16
 TARGET = make_toy_model(jax.random.key(0), V, name="target")
 SMALL = make_toy_model(jax.random.key(1), V, context=1, name="small")
 NEAR = TARGET._replace(params={"table": TARGET.params["table"] + 1.5 * jax.random.normal(
   jax.random.key(2), TARGET.params["table"].shape)}, name="near")
+PERFECT_FEATURES = make_toy_feature_draft(TARGET)
+NOISY_FEATURES = make_toy_feature_draft(TARGET, noise=1.5, key=jax.random.key(3),
+                                        vocab_ids=np.arange(0, V, 2))  # q = 0 on odd ids
 PROMPTS = np.array([
   [3, 7, 3, 7, 3, 7],
   [5, 9, 9, 9, 9, 9],
@@ -135,6 +141,44 @@ def test_draft_equal_to_target_accepts_the_deepest_path():
   _check_stats(out, tree)
 
 
+@pytest.mark.parametrize("law", ["deterministic", "iid"])
+def test_feature_draft_tree_greedy_equals_plain(law):
+  """An EAGLE-style feature draft builds the tree: greedy output is plain greedy, and the
+  perfect feature draft (right features at every node) is accepted to full depth."""
+  tree = TREES["eagle"]
+  plain = _plain_greedy()
+  perfect = tree_speculative_generate(TARGET, PERFECT_FEATURES, PROMPTS, PROMPT_LENGTHS,
+                                      jax.random.key(0), tree=tree, max_new_tokens=MAX_NEW,
+                                      params=GREEDY, law=law)
+  np.testing.assert_array_equal(perfect.tokens, plain.tokens)
+  np.testing.assert_array_equal(perfect.error, 0)
+  np.testing.assert_array_equal(perfect.stats.row_target_calls, 4)  # 1 + 11 in 5, 5, 1
+  np.testing.assert_array_equal(perfect.stats.accepted, 4 + 4)
+  _check_stats(perfect, tree)
+  noisy = tree_speculative_generate(TARGET, NOISY_FEATURES, PROMPTS, PROMPT_LENGTHS,
+                                    jax.random.key(0), tree=TREES["wide"], max_new_tokens=MAX_NEW,
+                                    params=GREEDY, law=law)
+  np.testing.assert_array_equal(noisy.tokens, plain.tokens)
+  np.testing.assert_array_equal(noisy.error, 0)
+  _check_stats(noisy, TREES["wide"])
+  assert 0 < int(noisy.stats.accepted.sum()) < int(perfect.stats.accepted.sum())
+
+
+def test_feature_tree_needs_the_feature_forms():
+  args = (PROMPTS, PROMPT_LENGTHS, jax.random.key(0))
+  tree = TREES["wide"]
+  with pytest.raises(ValueError, match="no `tree_apply_features`"):
+    tree_speculative_generate(TARGET._replace(tree_apply_features=None), PERFECT_FEATURES, *args,
+                              tree=tree, max_new_tokens=4)
+  with pytest.raises(ValueError, match="has no `tree_apply`"):
+    tree_speculative_generate(TARGET, PERFECT_FEATURES._replace(tree_apply=None), *args,
+                              tree=tree, max_new_tokens=4)
+  few = make_toy_feature_draft(TARGET, vocab_ids=[1, 2, 3])
+  with pytest.raises(ValueError, match=r"top 4 candidates per node.*only 3 ids"):
+    tree_speculative_generate(TARGET, few, *args, tree=tree, max_new_tokens=4)
+  tree_speculative_generate(TARGET, few, *args, tree=tree, max_new_tokens=4, law="iid")
+
+
 @pytest.mark.slow  # a performance property of the drafts, not a correctness check
 def test_tree_beats_chain_in_tokens_per_call():
   """A wider tree of the same depth accepts more per target call on the perturbed draft."""
@@ -160,6 +204,8 @@ EXACT_PARAMS = SamplingParams(0.8, top_k=3)
 EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
 EXACT_DRAFT = make_toy_model(jax.random.key(11), EXACT_V, context=1, scale=1.5,
                              name="exact_draft")
+EXACT_FEATURES = make_toy_feature_draft(EXACT_TARGET, noise=1.0, key=jax.random.key(12),
+                                        vocab_ids=[0, 1, 3])  # q = 0 on token 2
 EXACT_PROMPT = np.array([0, 1, 2, 0, 1], np.int32)
 EXACT_TREES = {"deterministic": DraftTree.from_branching((3, 2)),
                "iid": DraftTree.from_branching((2, 2))}
@@ -170,14 +216,14 @@ def _exact_probs() -> np.ndarray:
   return exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS)
 
 
-def _sample(law: str, seed: int, rule_law: str | None = None):
+def _sample(law: str, seed: int, rule_law: str | None = None, draft=EXACT_DRAFT):
   tree = EXACT_TREES[law]
   verifier = None
   if rule_law is not None:
     verifier = functools.partial(tree_verify, law=rule_law, max_depth=tree.depth)
   prompt = np.tile(EXACT_PROMPT, (EXACT_RUNS, 1))
   lengths = np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32)
-  out = tree_speculative_generate(EXACT_TARGET, EXACT_DRAFT, prompt, lengths,
+  out = tree_speculative_generate(EXACT_TARGET, draft, prompt, lengths,
                                   jax.random.key(seed), tree=tree, max_new_tokens=EXACT_NEW,
                                   params=EXACT_PARAMS, law=law, tree_verifier=verifier)
   np.testing.assert_array_equal(out.num_new, EXACT_NEW)
@@ -186,29 +232,33 @@ def _sample(law: str, seed: int, rule_law: str | None = None):
   return counts, out
 
 
+@pytest.mark.parametrize("kind", ["model", "feature"])
 @pytest.mark.parametrize("law", ["deterministic", "iid"])
-def test_sampled_sequences_follow_target(law):
+def test_sampled_sequences_follow_target(law, kind):
   probs = _exact_probs()
   assert (probs == 0).sum() > 0  # top-k removed some sequences
-  counts, out = _sample(law, seed=400 + len(law))
+  draft = EXACT_DRAFT if kind == "model" else EXACT_FEATURES
+  counts, out = _sample(law, seed=400 + len(law) + 10 * len(kind), draft=draft)
   np.testing.assert_array_equal(out.error, 0)
   stats = jax.tree.map(np.asarray, out.stats)
   # Rejections, acceptances at both depths, and acceptance of a non-first sibling all happen.
   assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
   _, _, pvalue, detail = chi_square_test(counts, probs)
-  assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{law}: chi-square p = {pvalue:.3g}; {detail}"
+  assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{law}, {kind}: chi-square p = {pvalue:.3g}; {detail}"
 
 
-@pytest.mark.parametrize(("law", "rule_law"),
-                         [("deterministic", "iid"), ("iid", "without_replacement")])
-def test_wrong_law_is_detected(law, rule_law):
+@pytest.mark.parametrize(("law", "rule_law", "kind"), [
+  ("deterministic", "iid", "model"), ("iid", "without_replacement", "model"),
+  ("deterministic", "iid", "feature")])
+def test_wrong_law_is_detected(law, rule_law, kind):
   """Negative controls: top-k children verified with the draft's q as their law (the mistake
   the tree issue warns about), and i.i.d. children verified as if drawn without replacement.
 
   (Verifying sampled children with the point-mass rule is *not* a mistake: that rule is exact
   for any proposal chosen independently of the verification's uniforms, only less efficient.)
   """
-  counts, _ = _sample(law, seed=500 + len(law), rule_law=rule_law)
+  draft = EXACT_DRAFT if kind == "model" else EXACT_FEATURES
+  counts, _ = _sample(law, seed=500 + len(law), rule_law=rule_law, draft=draft)
   _, _, pvalue, detail = chi_square_test(counts, _exact_probs())
   assert pvalue < 1e-6, f"{law} drafted, {rule_law} rule: undetected (p = {pvalue:.3g}); {detail}"
 
