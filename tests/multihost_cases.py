@@ -71,6 +71,38 @@ def run_cases(mesh, put: Callable[[np.ndarray, P], jax.Array]) -> dict[str, Any]
     put(flat, P()), put(num_draft, P()), put(target_rows, P(None, "model")), put(uniforms, P()),
     draft_probs=put(draft_rows, P(None, "model")))
 
+  # 3b. Tree verification: batch-sharded tree_verify, vocab-parallel, and sglang's packed trees.
+  parents = np.array([-1, 0, 0, 1], np.int32)
+  n = len(parents)
+  tp, tq = _distributions(rng, (B, n, V)), _distributions(rng, (B, n, V))
+  tokens = rng.integers(0, V, size=(B, n)).astype(np.int32)
+  coins = rng.random((B, n), dtype=np.float32)
+  out["batch-sharded tree_verify"] = jax.jit(jax.vmap(
+    lambda p, q, t, u: sd.tree_verify(p, q, parents, t, u, law="iid")))(
+      put(tp, rows), put(tq, rows), put(tokens, seq), put(coins, seq))
+  fn = sd.vocab_parallel_tree_verify(mesh, "model", "data", law="iid")
+  out["vocab-parallel tree_verify"] = fn(put(tp, vocab_rows), put(tq, vocab_rows), parents,
+                                         put(tokens, seq), put(coins, seq))
+  # The same tree in sglang's links: node 0's children 1, 2 (first child 1, its next sibling
+  # 2), node 1's child 3.
+  first = np.tile(np.array([1, 3, -1, -1], np.int32), (B, 1))
+  sibling = np.tile(np.array([-1, 2, -1, -1], np.int32), (B, 1))
+  out["packed_tree_verify"] = sd.packed_tree_verify(
+    put(tokens, seq), put(first, seq), put(sibling, seq), max_depth=2,
+    target_probs=put(tp.reshape(B * n, V), P("data", None)), coins=put(coins, seq))
+
+  # 3c. Logits with per-row sampling parameters and keys: jit(vmap(verify_logits_with_key)).
+  t_logits = rng.normal(size=(B, GAMMA + 1, V)).astype(np.float32)
+  d_logits = rng.normal(size=(B, GAMMA, V)).astype(np.float32)
+  row_params = sd.SamplingParams(temperature=put(np.linspace(0, 1.2, B).astype(np.float32), vec),
+                                 top_k=put(np.full(B, 7, np.int32), vec))
+  row_keys = jax.random.wrap_key_data(
+    put(np.asarray(jax.random.key_data(jax.random.split(jax.random.key(9), B))), seq))
+  out["batch-sharded verify_logits_with_key"] = jax.jit(jax.vmap(
+    lambda k, t, d, x, prm, n: sd.verify_logits_with_key(k, t, d, x, prm, num_draft=n)))(
+      row_keys, put(t_logits, rows), put(d_logits, rows), put(draft, seq), row_params,
+      put(num_draft, vec))
+
   # 4. process_logits on batch-sharded rows.
   logits = rng.normal(size=(B, V)).astype(np.float32)
   params = sd.SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
@@ -99,6 +131,8 @@ def run_cases(mesh, put: Callable[[np.ndarray, P], jax.Array]) -> dict[str, Any]
     target, feature, prompts, lengths, keys, gamma=3, **common)
   out["tree_speculative_generate"] = sd.tree_speculative_generate(
     target, small, prompts, lengths, keys, tree=sd.DraftTree.from_branching((2, 1)), **common)
+  out["tree_speculative_generate feature draft"] = sd.tree_speculative_generate(
+    target, feature, prompts, lengths, keys, tree=sd.DraftTree.from_branching((2, 1)), **common)
 
   # 6. A tensor-parallel Llama target in the loop: heads and MLP over `model`, batch over `data`.
   config = llama.LlamaConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=4,

@@ -120,10 +120,10 @@ def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool
   parser.add_argument("--verifier", nargs="+", default=["token"],
                       choices=("token", "block", "tree"),
                       help="token-wise (default), block verification (Sun et al. 2024) and/or a "
-                           "top-k draft tree (model drafts only; see --tree)")
-  parser.add_argument("--tree", type=branching, default=e2e.DEFAULT_TREE,
+                           "top-k draft tree (model and learned drafts; see --tree)")
+  parser.add_argument("--tree", type=branching, default=None,
                       help="the draft tree of --verifier tree: candidates per node at each depth, "
-                           "e.g. 2,2,1,1 (default)")
+                           "e.g. 2,2,1,1 (default: 2,2,1,1 for skip/early, 4,1 for eagle)")
   parser.add_argument("--repeats", type=positive_int, default=1 if generate_command else 5,
                       help="timed runs after the compiling one (median)")
   parser.add_argument("--seed", type=seed, default=0)

@@ -16,10 +16,11 @@ with ``c`` = one draft call / one target decoding call and ``v`` = the target's
 ``v = 1``; on a CPU scoring ``gamma + 1`` tokens costs more than one). Timings are
 medians of repeated runs after compilation; compile time is reported separately.
 
-With ``--verifier tree`` a model draft builds a top-k tree
-(:class:`~specdec_jax.decoding.DraftTree`, ``--tree``) that the target verifies in one call
-with tree attention (:func:`~specdec_jax.decoding.tree_speculative_generate`); its row
-reports tokens per target call and the measured speed-up, not a prediction.
+With ``--verifier tree`` a model draft or the learned (EAGLE) draft builds a top-k tree
+(:class:`~specdec_jax.decoding.DraftTree`, ``--tree`` or :data:`DEFAULT_TREE`) that the target
+verifies in one call with tree attention
+(:func:`~specdec_jax.decoding.tree_speculative_generate`); its row reports tokens per target
+call and the measured speed-up, not a prediction.
 
 Drafts: ``lookup`` (prompt lookup: n-gram matches in the context, no model),
 ``skip`` (self-speculation: the target without the layers of
@@ -71,18 +72,24 @@ PROMPTS = {
   "open-ended": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 
-DRAFTS = ("lookup", "lookup-adaptive", "eagle", "eagle-adaptive", "skip", "early")
+#: Drafts of the end-to-end runs; ``-adaptive``: the same draft with
+#: :class:`~specdec_jax.decoding.AdaptiveSpeculation` from the measured costs; ``+tree``: the
+#: same draft building a top-k tree of :data:`DEFAULT_TREE` (``--verifier tree`` adds one per
+#: draft).
+DRAFTS = ("lookup", "lookup-adaptive", "eagle", "eagle-adaptive", "eagle+tree", "skip", "early")
 
 #: Proposals per iteration of each draft unless ``--gamma`` says otherwise: the best measured on
 #: this CPU (the learned draft's third proposal is accepted too rarely to pay for its tokens in
 #: the target's call; prompt lookup proposes runs of copied text).
 DEFAULT_GAMMA = {"lookup": 4, "eagle": 2, "skip": 4, "early": 4}
-"""Drafts of the end-to-end runs; ``-adaptive``: the same draft with
-:class:`~specdec_jax.decoding.AdaptiveSpeculation` from the measured costs."""
 
-#: The default draft tree of ``--verifier tree``: 2 candidates after the root, 2 after each of
-#: those, then one more each for two levels (15 nodes with the root, depth 4, as gamma = 4).
-DEFAULT_TREE = (2, 2, 1, 1)
+#: The draft tree of ``--verifier tree`` per draft unless ``--tree`` says otherwise (candidates
+#: per node at each depth). Layer drafts: 2 after the root, 2 after each of those, then one more
+#: each for two levels (15 nodes, depth 4, as gamma = 4). The learned draft: its 4 most likely
+#: tokens, then one more after each (9 nodes, depth 2, as its gamma): the best of the shapes
+#: measured side by side on this CPU (wider or deeper trees accept more per call, but the
+#: target's call on more tokens costs more than they gain).
+DEFAULT_TREE = {"skip": (2, 2, 1, 1), "early": (2, 2, 1, 1), "eagle": (4, 1)}
 
 
 @dataclasses.dataclass
@@ -117,6 +124,13 @@ class Costs:
   prefill: dict[str, float]  # the target on the whole prompt, by prompt name
   sample: float  # process the logits of 1 token and sample (plain decoding's extra)
   verify: dict[int, float]  # process the logits of gamma + 1 and gamma tokens and verify
+
+
+def draft_tree(draft: str, tree: tuple[int, ...] | None) -> tuple[int, ...]:
+  """``tree`` if given, else the draft's :data:`DEFAULT_TREE` (suffixes ignored)."""
+  if tree is not None:
+    return tree
+  return DEFAULT_TREE[draft.partition("+")[0].removesuffix("-adaptive")]
 
 
 def draft_gamma(draft: str, gamma: int | None) -> int:
@@ -171,7 +185,7 @@ def _timed(fn, repeats: int) -> tuple[object, float, float]:
 
 def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temperature: float,
                max_new_tokens: int, seed: int, verifier: str,
-               tree: tuple[int, ...] = DEFAULT_TREE):
+               tree: tuple[int, ...] | None = None):
   """``(call, prompt_length)``: a no-argument function that runs one generation."""
   ids = setup.encode(prompt_text)
   prompt = jnp.asarray([ids], jnp.int32)
@@ -188,7 +202,7 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
       return generate(setup.target, prompt, lengths, key, max_new_tokens=max_new_tokens,
                       params=params, eos_id=eos)
   elif verifier == "tree":
-    shape = DraftTree.from_branching(tree)
+    shape = DraftTree.from_branching(draft_tree(base, tree))
 
     def call():
       return tree_speculative_generate(setup.target, setup.drafts[base], prompt, lengths, key,
@@ -223,18 +237,19 @@ def _to_run(setup: Setup, result, prompt_len: int, *, prompt: str, draft: str,
 def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: Sequence[str], *,
                      gamma: int | None, temperature: float, max_new_tokens: int, seed: int,
                      repeats: int, verifiers: Sequence[str] = ("token",),
-                     tree: tuple[int, ...] = DEFAULT_TREE) -> list[Run]:
+                     tree: tuple[int, ...] | None = None) -> list[Run]:
   """Plain decoding and every draft (with every verifier) on one request, timed side by side.
 
   Every variant is compiled and run once first; then ``repeats`` rounds time each
   variant in turn (so all see the same machine conditions), and each variant's time
   is the median over the rounds. A variant is named ``draft`` for token-wise
   verification, ``draft+block`` for block verification and ``draft+tree`` for a top-k
-  draft tree of shape ``DraftTree.from_branching(tree)`` (model drafts only; its
-  ``gamma`` column is the tree's depth).
+  draft tree of shape ``DraftTree.from_branching(tree)`` (default: the draft's
+  :data:`DEFAULT_TREE`; model and learned drafts only, not prompt lookup or ``-adaptive``;
+  its ``gamma`` column is the tree's depth).
   """
   variants = ("plain", *(d if v == "token" else f"{d}+{v}" for d in drafts for v in verifiers
-                         if not (v == "tree" and not d.startswith(("skip", "early")))))
+                         if v == "token" or ("+" not in d and (v != "tree" or d in DEFAULT_TREE))))
   calls, results, compile_s = {}, {}, {}
   for name in variants:
     g = 1 if name == "plain" else draft_gamma(name, gamma)
@@ -250,7 +265,7 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
       times[name].append(time.perf_counter() - start)
   return [_to_run(setup, results[name], prompt_len, prompt=prompt_name, draft=name,
                   temperature=temperature,
-                  gamma=len(tree) if name.endswith("+tree") else (
+                  gamma=len(draft_tree(name, tree)) if name.endswith("+tree") else (
                     0 if name == "plain" else draft_gamma(name, gamma)),
                   seconds=statistics.median(times[name]),
                   compile_seconds=max(compile_s[name] - statistics.median(times[name]), 0.0))
@@ -409,7 +424,7 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
               temperatures: Sequence[float], gamma: int | None, max_new_tokens: int,
               repeats: int,
               seed: int, verifiers: Sequence[str] = ("token",), show_text: bool = True,
-              tree: tuple[int, ...] = DEFAULT_TREE, seeds: int = 1,
+              tree: tuple[int, ...] | None = None, seeds: int = 1,
               out=sys.stdout) -> tuple[list[Run], Costs]:
   """Plain and speculative decoding for every prompt, temperature and draft; prints as it goes.
 

@@ -141,7 +141,7 @@ def test_draft_equal_to_target_accepts_the_deepest_path():
   _check_stats(out, tree)
 
 
-@pytest.mark.parametrize("law", ["deterministic", "iid"])
+@pytest.mark.parametrize("law", ["deterministic", pytest.param("iid", marks=pytest.mark.slow)])
 def test_feature_draft_tree_greedy_equals_plain(law):
   """An EAGLE-style feature draft builds the tree: greedy output is plain greedy, and the
   perfect feature draft (right features at every node) is accepted to full depth."""
@@ -199,7 +199,7 @@ def test_tree_beats_chain_in_tokens_per_call():
 
 EXACT_V = 4
 EXACT_NEW = 4
-EXACT_RUNS = 40_000
+EXACT_RUNS = 20_000  # negative controls still give p < 1e-300
 EXACT_PARAMS = SamplingParams(0.8, top_k=3)
 EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
 EXACT_DRAFT = make_toy_model(jax.random.key(11), EXACT_V, context=1, scale=1.5,
