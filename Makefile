@@ -50,8 +50,8 @@ notebooks: install-test
 bench: install
 	$(PY) -m specdec_jax.app.bench $(BENCH_ARGS)
 
-# Plain vs speculative decoding on SmolLM2-135M-Instruct, every draft, timed (CPU; about 15
-# minutes: 128 new tokens, sampled requests over 3 seeds).
+# Plain vs speculative decoding on SmolLM2-135M-Instruct, every draft, timed (CPU; about 45
+# minutes on 2 cores: 128 new tokens, sampled requests over 3 seeds).
 bench-e2e: install
 	$(PY) -m specdec_jax bench-e2e --max-new-tokens 128 --seeds 3 $(BENCH_ARGS)
 

@@ -264,6 +264,10 @@ def block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> 
   uniforms of positions ``< n``, and every full row read (finite, non-negative, sums to 1);
   ``valid``/``error`` report problems and returned ids are always in ``[0, V)``.
 
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
+
   Args:
     p: ``(gamma + 1, V)`` floating target distributions.
     q: ``(gamma, V)`` floating draft distributions (what ``draft`` was sampled from).

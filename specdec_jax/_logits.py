@@ -206,6 +206,12 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
   ties). ``-inf`` logits are masked tokens. A row with a NaN or ``+inf`` logit, or without
   any finite logit, is returned as NaN at every temperature (greedy too), so a verifier or
   decoding loop that reads it reports ``ErrorCode.NONFINITE`` instead of a plausible token.
+  Parameters out of range that could not be checked on the host (traced, or global arrays:
+  ``temperature`` negative or NaN, ``top_k < 0``, ``top_p`` outside ``(0, 1]``) give NaN rows
+  too, never a plausible distribution.
+
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host (out-of-range ``params`` held so give NaN rows, above).
 
   Args:
     logits: ``(V,)`` or ``(rows, V)`` floating logits (all rows share ``params``).
@@ -236,6 +242,14 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
     )
   if not jnp.issubdtype(logits.dtype, jnp.floating):
     raise TypeError(f"process_logits: `logits` must be floating, got {logits.dtype} instead.")
+  probs = process_unchecked(logits, params)
+  return jnp.where(params_error(params) != 0, jnp.asarray(jnp.nan, probs.dtype), probs)
+
+
+def process_unchecked(logits: jax.Array, params: SamplingParams) -> jax.Array:
+  """:func:`process_logits` without its checks, and without NaN rows for out-of-range
+  parameters: for callers that flag ``ErrorCode.BAD_PARAMS`` themselves (the verifiers from
+  logits, the decoding loops)."""
   if logits.ndim == 1:
     return _process_row(logits, params)
   return jax.vmap(_process_row, in_axes=(0, None))(logits, params)
@@ -269,6 +283,11 @@ def sample_draft(key: jax.Array, logits: jax.Array,
   Returning ``probs`` with the token means the ``q`` given to verification is, by
   construction, the law the token was drawn from (a mismatch here silently
   breaks exactness; it has been reported against Hugging Face transformers).
+  Broken logits and parameters out of range under ``jit`` give NaN ``probs``, as in
+  :func:`process_logits`: the verifier that reads them reports ``ErrorCode.NONFINITE``.
+
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host (as :func:`process_logits`).
 
   Args:
     key: a ``jax.random`` key.
@@ -294,6 +313,14 @@ def sample_draft(key: jax.Array, logits: jax.Array,
   return DraftSample(sample_index(probs, u), probs)
 
 
+def sample_unchecked(key: jax.Array, logits: jax.Array, params: SamplingParams) -> DraftSample:
+  """:func:`sample_draft` on :func:`process_unchecked` (the decoding loops, which flag
+  ``ErrorCode.BAD_PARAMS`` themselves)."""
+  probs = process_unchecked(logits, params)
+  u = jax.random.uniform(key, (), dtype=probs.dtype)
+  return DraftSample(sample_index(probs, u), probs)
+
+
 def verify_logits_rows(target_logits, draft_logits, draft, uniforms, params, num_draft, *,
                        pad_id: int, name: str) -> VerifyResult:
   """Process both sides' logits with ``params`` and verify: the body of :func:`verify_logits`."""
@@ -307,8 +334,8 @@ def verify_logits_rows(target_logits, draft_logits, draft, uniforms, params, num
                              names=("target_logits", "draft_logits"))
   check_scalar(name, "num_draft", num_draft, INT)
   check_params(params, name)
-  p = process_logits(target_logits, params)
-  q = process_logits(draft_logits, params) if gamma else jnp.zeros((0, vocab), p.dtype)
+  p = process_unchecked(target_logits, params)
+  q = process_unchecked(draft_logits, params) if gamma else jnp.zeros((0, vocab), p.dtype)
   result = verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
   error = result.error | params_error(params)
   return result._replace(error=error, valid=error == 0)
@@ -333,6 +360,10 @@ def verify_logits(target_logits, draft_logits, draft, uniforms,
   emit the argmax (point masses make the rule do exactly that), so greedy and
   sampled sequences can share one batch. All parameters may be traced: no
   recompilation when their values change.
+
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
 
   Args:
     target_logits: ``(gamma + 1, V)`` target logits.
@@ -372,6 +403,10 @@ def verify_logits_with_key(key, target_logits, draft_logits, draft,
 
   Draws ``jax.random.uniform(key, (gamma + 1,))`` in the computation dtype, as
   :func:`verify_with_key` does; split keys per sequence for a batch.
+
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
 
   Args:
     key: a ``jax.random`` key.

@@ -242,6 +242,10 @@ def packed_verify(draft_token_ids, num_draft_tokens, *, max_spec_len: int, targe
   ``target_logits``, every row is processed once, in place of the array; the sort-free
   top-k/top-p of :func:`~specdec_jax.process_logits`).
 
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
+
   Args:
     draft_token_ids: ``(T,)`` int, the drafts of all requests, concatenated.
     num_draft_tokens: ``(B,)`` int in ``[0, max_spec_len]``, summing to at most ``T``.

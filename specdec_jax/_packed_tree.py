@@ -110,6 +110,10 @@ def packed_tree_verify(candidates, retrive_next_token, retrive_next_sibling, *,
   greedy and sampled requests go through the same call (from logits, greedy rows are point
   masses on the argmax). ``"iid"`` / ``"without_replacement"`` read ``draft_probs``.
 
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
+
   Args:
     candidates: ``(B, N)`` int token ids, node 0 the root (ignored).
     retrive_next_token: ``(B, N)`` int first child of each node, ``-1`` for none.

@@ -91,6 +91,10 @@ def vocab_parallel_verify(
   the single-device verifier's for the same uniforms except within float rounding of an
   interval boundary of the final sample.
 
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
+
   Args:
     mesh: a ``jax.sharding.Mesh``.
     vocab_axis: the mesh axis the vocabulary is split over; ``V`` must be divisible by its
@@ -172,6 +176,10 @@ def vocab_parallel_tree_verify(
   token is a sharded inverse CDF (``n`` partial masses and one candidate). Per tree O(n + N)
   scalars cross devices, nothing of size ``V``.
 
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
+
   Args:
     mesh, vocab_axis, batch_axis, pad_id: as in :func:`vocab_parallel_verify`.
     law, max_depth, uniform_layout: static, as in :func:`~specdec_jax.tree_verify`.
@@ -249,6 +257,10 @@ def vocab_parallel_packed_verify(
   row in place, exactly as :func:`vocab_parallel_verify` does for padded rows, so per
   request O(n) scalars cross devices and nothing of size ``V``. Probabilities only: process
   logits first (top-k/top-p over a split row would need a reduction per bisection pass).
+
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
 
   Args:
     mesh, vocab_axis, pad_id: as in :func:`vocab_parallel_verify`.

@@ -418,6 +418,10 @@ def tree_verify(p, q, parents, tokens, uniforms, *, num_nodes=None, law: str = "
   coin. Each layout reads every number at most once as a fresh uniform, so the output law
   is the same; only which number decides what differs.
 
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
+
   Args:
     p: ``(N, V)`` floating. ``p[u]``: the target's next-token law after the path to ``u``.
     q: ``(N, V)`` floating. ``q[u]``: the draft law ``u``'s children were drafted

@@ -388,6 +388,10 @@ def verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> Verify
   are converted before the call with clear errors for what JAX cannot hold: ragged
   lists, ``float128``, and integer ids outside int32 (which would wrap when cast).
 
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
+
   Args:
     p: ``(gamma + 1, V)`` floating. Target distributions at the ``gamma``
       proposed positions plus the one after the last proposal.
@@ -444,6 +448,10 @@ def verify_with_key(key, p, q, draft, *, num_draft=None, pad_id: int = -1) -> Ve
 
     keys = jax.random.split(key, batch)
     jax.vmap(verify_with_key)(keys, p, q, draft, num_draft=num_draft)
+
+  Multi-host: a global array that spans several processes (``jax.distributed``) is
+  accepted and never read on the host; its values are checked under ``jit`` and flagged in
+  ``error``.
 
   Args:
     key: a ``jax.random`` key (typed ``jax.random.key`` or raw ``PRNGKey``).

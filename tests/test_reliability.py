@@ -21,6 +21,7 @@ from specdec_jax import SamplingParams
 from specdec_jax import block_verify_with_key
 from specdec_jax import generate
 from specdec_jax import process_logits
+from specdec_jax import sample_draft
 from specdec_jax import speculative_generate
 from specdec_jax import speculative_step
 from specdec_jax import tree_speculative_generate
@@ -387,3 +388,21 @@ def test_eos_outside_the_vocabulary_raises_or_is_flagged(name):
                                eos_id=eos))(V)
   np.testing.assert_array_equal(out.error, [ErrorCode.BAD_PARAMS] * 2)
   np.testing.assert_array_equal(out.num_new, [3, 3])
+
+
+def test_traced_bad_params_give_nan_rows_not_a_plausible_distribution():
+  """Under jit, out-of-range parameters cannot raise: process_logits and sample_draft return NaN
+  rows (never, e.g., greedy for a negative temperature), and verify_logits flags BAD_PARAMS."""
+  logits = jnp.array([1.0, 2.0, 0.5, -1.0])
+  process = jax.jit(lambda t, k, p: process_logits(logits, SamplingParams(t, top_k=k, top_p=p)))
+  draw = jax.jit(lambda t: sample_draft(jax.random.key(0), logits, SamplingParams(t)).probs)
+  for t, k, p in ((-1.0, 2, 0.9), (jnp.nan, 2, 0.9), (0.7, -3, 0.9), (0.7, 2, 1.5),
+                  (0.7, 2, 0.0)):
+    assert np.isnan(np.asarray(process(t, k, p))).all(), (t, k, p)
+  assert np.isnan(np.asarray(draw(-1.0))).all()
+  good = np.asarray(process(0.7, 2, 0.9))
+  assert np.isfinite(good).all() and abs(good.sum() - 1) < 1e-6
+  np.testing.assert_array_equal(np.asarray(process(0.0, 2, 0.9)), [0, 1, 0, 0])
+  result = jax.jit(lambda t: verify_logits(jnp.stack([logits] * 2), logits[None], jnp.array([1]),
+                                           jnp.array([0.5, 0.5]), SamplingParams(t)))(-1.0)
+  assert int(result.error) == ErrorCode.BAD_PARAMS and 0 <= int(result.tokens[0]) < 4

@@ -35,6 +35,13 @@ def model_fns(model: Model, name: str, arg: str) -> ModelFns:
   return ModelFns(model.apply, model.init_cache, int(model.vocab_size), model.apply_features)
 
 
+def check_same_vocab(draft_vocab: int, target_vocab: int, name: str) -> None:
+  """``ValueError`` unless a draft model's vocabulary is the target's."""
+  if draft_vocab != target_vocab:
+    raise ValueError(f"{name}: the draft must share the target's vocabulary, got V = "
+                     f"{draft_vocab} for the draft and V = {target_vocab} for the target.")
+
+
 def auto_axes(tree):
   """``tree`` with every array on an ``Explicit``-axis mesh relabelled to the same mesh's ``Auto``
   axes (same devices and layout: no data moves).

@@ -24,6 +24,7 @@ from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
 from specdec_jax.decoding.args import check_prompt
+from specdec_jax.decoding.args import check_same_vocab
 from specdec_jax.decoding.args import model_fns
 from specdec_jax.decoding.args import row_keys as make_row_keys
 from specdec_jax.decoding.common import after_verify
@@ -368,11 +369,7 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
     draft_static, draft_params = PromptLookup(int(draft.max_ngram), int(draft.min_ngram)), None
   else:
     draft_static, draft_params = model_fns(draft, name, "draft"), draft.params
-    if draft_static.vocab_size != target_fns.vocab_size:
-      raise ValueError(
-        f"{name}: the draft must share the target's vocabulary, got V = "
-        f"{draft_static.vocab_size} for the draft and V = {target_fns.vocab_size} for the target."
-      )
+    check_same_vocab(draft_static.vocab_size, target_fns.vocab_size, name)
   if isinstance(verifier, str):
     if verifier not in VERIFIERS:
       raise ValueError(

@@ -9,7 +9,7 @@ from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import params_error
-from specdec_jax._logits import process_logits
+from specdec_jax._logits import process_unchecked
 from specdec_jax._sampling import sample_index
 from specdec_jax.decoding.types import Common
 from specdec_jax.decoding.types import DecodeStats
@@ -29,7 +29,7 @@ def model_ids(tokens: jax.Array, vocab: int) -> jax.Array:
 
 def processed(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Processed distributions of ``(B, V)`` or ``(B, T, V)`` logits with per-row params."""
-  return jax.vmap(process_logits)(logits, params)
+  return jax.vmap(process_unchecked)(logits, params)
 
 
 def uniform(key: jax.Array, shape=()) -> jax.Array:

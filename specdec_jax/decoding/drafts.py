@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from specdec_jax._checks import is_concrete
-from specdec_jax._logits import sample_draft
+from specdec_jax._logits import sample_unchecked
 from specdec_jax.decoding.common import batch_rows
 from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.types import ModelFns
@@ -133,7 +133,7 @@ def draft_sampler(step_keys, params, vocab: int, vocab_ids=None):
   """
   def sample(j, logits):
     keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(step_keys)
-    out = jax.vmap(sample_draft)(keys, logits, params)
+    out = jax.vmap(sample_unchecked)(keys, logits, params)
     if vocab_ids is None:
       return out.token, out.probs
     q = jnp.zeros((logits.shape[0], vocab), out.probs.dtype).at[:, vocab_ids].set(out.probs)

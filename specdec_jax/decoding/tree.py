@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from specdec_jax._logits import SamplingParams
-from specdec_jax._logits import process_logits
+from specdec_jax._logits import process_unchecked
 from specdec_jax._sampling import sample_index
 from specdec_jax._tree import tree_verify
 from specdec_jax.decoding.args import StaticFunction
@@ -22,6 +22,7 @@ from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
 from specdec_jax.decoding.args import check_prompt
+from specdec_jax.decoding.args import check_same_vocab
 from specdec_jax.decoding.args import model_fns
 from specdec_jax.decoding.args import row_keys as make_row_keys
 from specdec_jax.decoding.common import after_verify
@@ -185,7 +186,7 @@ def tree_candidates(logits, key, params, width: int, law: str, vocab_ids=None, v
   subset of the ``vocab`` ids (a :class:`~specdec_jax.decoding.FeatureDraft`): the candidates
   are mapped to their ids and ``q`` is zero elsewhere.
   """
-  q = process_logits(logits, params)
+  q = process_unchecked(logits, params)
   if law == "deterministic":
     ids = lax.top_k(logits, width)[1].astype(jnp.int32)
   else:
@@ -461,11 +462,7 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
     draft_fns, draft_params = feature_fns(draft, target, name, tree=True)
   else:
     draft_fns, draft_params = tree_model_fns(draft, name, "draft"), draft.params
-    if draft_fns.vocab_size != target_fns.vocab_size:
-      raise ValueError(
-        f"{name}: the draft must share the target's vocabulary, got V = {draft_fns.vocab_size} "
-        f"for the draft and V = {target_fns.vocab_size} for the target."
-      )
+    check_same_vocab(draft_fns.vocab_size, target_fns.vocab_size, name)
   tree = check_draft_tree(tree, name)
   if tree.size < 2:
     raise ValueError(f"{name}: `tree` must have at least one node besides the root.")
