@@ -178,8 +178,11 @@ def test_chat_prompt(smollm2):
   assert tok.decode(ids) == prompt
 
 
-@pytest.mark.parametrize("draft_name", ["lookup", "lookup-adaptive", "skip", "skip-tree", "eagle",
-                                        "eagle-adaptive", "eagle-tree"])
+@pytest.mark.parametrize("draft_name", [
+  # Plain lookup and the layer-skip tree are covered by lookup-adaptive and eagle-tree here and
+  # by the toy-model tests; `make test-slow` runs them on the real model too.
+  pytest.param("lookup", marks=pytest.mark.slow), "lookup-adaptive", "skip",
+  pytest.param("skip-tree", marks=pytest.mark.slow), "eagle", "eagle-adaptive", "eagle-tree"])
 def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
   """On the real model, greedy speculative decoding reproduces greedy decoding token for token."""
   import jax

@@ -35,7 +35,7 @@ from tests._helpers import sequence_index
 ALPHA = 0.01
 NUM_EXACT_TESTS = 3  # two speculative drafts and the plain baseline
 GREEDY = SamplingParams(temperature=0.0)
-GAMMAS = (1, 2, 3, 4, 5)
+GAMMAS = (1, 2, 5)  # the smallest, a small one and a long one
 
 # Greedy and ragged tests: V = 16, prompts of lengths 1 .. 6 (right-padded with junk).
 V = 16

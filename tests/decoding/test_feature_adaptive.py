@@ -95,8 +95,10 @@ def test_features_reach_the_draft_at_the_right_positions():
   assert not np.isnan(np.asarray(q)).any()
 
 
-@pytest.mark.parametrize("verifier", ["token", "block"])
-@pytest.mark.parametrize("adaptive", [None, POLICY], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize(("verifier", "adaptive"), [
+  ("token", None), ("block", None), ("token", POLICY),
+  pytest.param("block", POLICY, marks=pytest.mark.slow)],  # the two axes are independent
+  ids=["token-fixed", "block-fixed", "token-adaptive", "block-adaptive"])
 def test_feature_draft_greedy_equals_plain(verifier, adaptive):
   plain = _plain()
   for draft in (PERFECT, NOISY):

@@ -109,23 +109,20 @@ def test_draft_tree_shapes():
 # Greedy: the tree loop emits plain greedy decoding, token for token.
 
 
-@pytest.mark.parametrize("tree_name, law", [
-  ("chain", "deterministic"), ("wide", "iid"), ("eagle", "deterministic"),
-  pytest.param("chain", "iid", marks=pytest.mark.slow),
-  pytest.param("wide", "deterministic", marks=pytest.mark.slow),
-  pytest.param("eagle", "iid", marks=pytest.mark.slow)])
-def test_greedy_tree_equals_plain(tree_name, law):
+@pytest.mark.parametrize("tree_name, law, draft_name", [
+  ("chain", "deterministic", "small"), ("wide", "iid", "near"), ("eagle", "deterministic", "small"),
+  pytest.param("chain", "iid", "near", marks=pytest.mark.slow),
+  pytest.param("wide", "deterministic", "small", marks=pytest.mark.slow),
+  pytest.param("eagle", "iid", "near", marks=pytest.mark.slow)])
+def test_greedy_tree_equals_plain(tree_name, law, draft_name):
   tree = TREES[tree_name]
-  plain = _plain_greedy()
-  accepted = 0
-  for draft in (NEAR, SMALL):
-    out = tree_speculative_generate(TARGET, draft, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
-                                    tree=tree, max_new_tokens=MAX_NEW, params=GREEDY, law=law)
-    np.testing.assert_array_equal(out.tokens, plain.tokens, err_msg=f"{draft.name}, {law}")
-    np.testing.assert_array_equal(out.error, 0)
-    _check_stats(out, tree)
-    accepted += int(out.stats.accepted.sum())
-  assert accepted > 0
+  draft = {"near": NEAR, "small": SMALL}[draft_name]
+  out = tree_speculative_generate(TARGET, draft, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
+                                  tree=tree, max_new_tokens=MAX_NEW, params=GREEDY, law=law)
+  np.testing.assert_array_equal(out.tokens, _plain_greedy().tokens)
+  np.testing.assert_array_equal(out.error, 0)
+  _check_stats(out, tree)
+  assert int(out.stats.accepted.sum()) > 0, "no proposal was accepted: acceptance is untested"
 
 
 def test_draft_equal_to_target_accepts_the_deepest_path():
