@@ -176,6 +176,17 @@ TRIALS = 150_000
 ALPHA_EACH = 0.01 / (len(PARAM_SETS) * 3)  # family-wise 1%, Bonferroni over cases x positions
 
 
+NEGATIVE_TRIALS = 20_000  # the biased law is rejected at p < 1e-300 already at 30,000
+
+
+def _trials(trial, n, target, draft_logits):
+  """``trial(key, target, draft_logits)`` on ``n`` keys under one jit. The logits are arguments,
+  not closed-over constants: XLA would constant-fold their processing broadcast over the whole
+  batch (seconds of compile time for a few microseconds of work)."""
+  keys = jax.random.split(jax.random.key(11), n)
+  return jax.jit(jax.vmap(trial, in_axes=(0, None, None)))(keys, target, draft_logits)
+
+
 def _drafted(params, key, draft_logits):
   """Draft tokens sampled with sample_draft, so q is what they were drawn from."""
   keys = jax.random.split(key, draft_logits.shape[0])
@@ -192,13 +203,12 @@ def test_verify_logits_is_exact_for_the_processed_target(name):
                              jnp.float32)
   p = np.asarray(process_logits(target, params), np.float64)
 
-  @jax.jit
-  def trial(key):
+  def trial(key, target, draft_logits):
     k_draft, k_verify = jax.random.split(key)
     sampled = _drafted(params, k_draft, draft_logits)
     return verify_logits_with_key(k_verify, target, draft_logits, sampled.token, params)
 
-  result = jax.vmap(trial)(jax.random.split(jax.random.key(11), TRIALS))
+  result = _trials(trial, TRIALS, target, draft_logits)
   tokens, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
   assert np.all(np.asarray(result.valid))
   for j in range(gamma + 1):
@@ -216,13 +226,12 @@ def test_negative_control_q_from_other_parameters_fails():
   used = SamplingParams(0.7)
   p = np.asarray(process_logits(target, used), np.float64)
 
-  @jax.jit
-  def trial(key):
+  def trial(key, target, draft_logits):
     k_draft, k_verify = jax.random.split(key)
     sampled = _drafted(SamplingParams(1.5), k_draft, draft_logits)
     return verify_logits_with_key(k_verify, target, draft_logits, sampled.token, used)
 
-  result = jax.vmap(trial)(jax.random.split(jax.random.key(11), TRIALS))
+  result = _trials(trial, NEGATIVE_TRIALS, target, draft_logits)
   with pytest.raises(AssertionError, match="chi-square"):
     assert_same_distribution(np.asarray(result.tokens)[:, 0], p[0] / p[0].sum(), ALPHA_EACH,
                              "temperature mismatch")
