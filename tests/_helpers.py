@@ -19,6 +19,17 @@ P_EXAMPLE = np.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
 Q_EXAMPLE = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
 U_EXAMPLE = np.array([0.7, 0.9, 0.1])
 
+# Prompts of the toy decoding-loop tests (V = 16): repeats, one-token prompts, a mix of lengths.
+TOY_PROMPTS = np.array([
+  [3, 7, 3, 7, 3, 7],
+  [5, 9, 9, 9, 9, 9],
+  [1, 2, 3, 1, 2, 9],
+  [8, 9, 9, 9, 9, 9],
+  [4, 4, 0, 9, 9, 9],
+  [2, 6, 1, 2, 6, 9],
+], np.int32)
+TOY_PROMPT_LENGTHS = np.array([6, 1, 5, 1, 3, 5], np.int32)
+
 KINDS = ("flat", "peaked", "one_hot", "overlap", "disjoint", "equal", "zero_q")
 
 

@@ -29,6 +29,8 @@ from specdec_jax.decoding.drafts import lookup_row
 from specdec_jax.models import Model
 from specdec_jax.models.toy import make_toy_model
 from specdec_jax.theory import chi_square_test
+from tests._helpers import TOY_PROMPT_LENGTHS
+from tests._helpers import TOY_PROMPTS
 from tests._helpers import exact_sequence_probs
 from tests._helpers import sequence_index
 
@@ -55,15 +57,7 @@ SMALL = make_toy_model(jax.random.key(1), V, context=1, name="draft")
 # The draft is the target's table, perturbed: it agrees often, not always (ragged acceptance).
 NEAR = Model({"table": TARGET.params["table"] + 1.5 * jax.random.normal(
   jax.random.key(2), TARGET.params["table"].shape)}, TARGET.apply, TARGET.init_cache, V, "near")
-PROMPTS = np.array([
-  [3, 7, 3, 7, 3, 7],
-  [5, 9, 9, 9, 9, 9],
-  [1, 2, 3, 1, 2, 9],
-  [8, 9, 9, 9, 9, 9],
-  [4, 4, 0, 9, 9, 9],
-  [2, 6, 1, 2, 6, 9],
-], np.int32)
-PROMPT_LENGTHS = np.array([6, 1, 5, 1, 3, 5], np.int32)
+PROMPTS, PROMPT_LENGTHS = TOY_PROMPTS, TOY_PROMPT_LENGTHS
 MAX_NEW = 12
 DRAFTS = {"model": NEAR, "lookup": PromptLookup(max_ngram=3)}
 

@@ -31,6 +31,8 @@ from specdec_jax.decoding.drafts import propose_features
 from specdec_jax.models.toy import make_toy_feature_draft
 from specdec_jax.models.toy import make_toy_model
 from specdec_jax.theory import chi_square_test
+from tests._helpers import TOY_PROMPT_LENGTHS
+from tests._helpers import TOY_PROMPTS
 from tests._helpers import exact_sequence_probs
 from tests._helpers import sequence_index
 
@@ -43,14 +45,7 @@ PERFECT = make_toy_feature_draft(TARGET)
 NOISY = make_toy_feature_draft(TARGET, noise=1.5, key=jax.random.key(3),
                                vocab_ids=np.arange(12))
 POLICY = AdaptiveSpeculation(draft_cost=0.05, verify_cost=0.04, fixed_cost=0.1)
-PROMPTS = np.array([
-  [3, 7, 3, 7, 3, 7],
-  [5, 9, 9, 9, 9, 9],
-  [1, 2, 3, 1, 2, 9],
-  [8, 9, 9, 9, 9, 9],
-  [4, 4, 0, 9, 9, 9],
-], np.int32)
-PROMPT_LENGTHS = np.array([6, 1, 5, 1, 3], np.int32)
+PROMPTS, PROMPT_LENGTHS = TOY_PROMPTS[:5], TOY_PROMPT_LENGTHS[:5]
 MAX_NEW = 12
 
 

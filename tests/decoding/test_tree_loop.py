@@ -26,6 +26,8 @@ from specdec_jax.decoding import tree_speculative_generate
 from specdec_jax.models.toy import make_toy_feature_draft
 from specdec_jax.models.toy import make_toy_model
 from specdec_jax.theory import chi_square_test
+from tests._helpers import TOY_PROMPT_LENGTHS
+from tests._helpers import TOY_PROMPTS
 from tests._helpers import exact_sequence_probs
 from tests._helpers import sequence_index
 
@@ -40,14 +42,7 @@ NEAR = TARGET._replace(params={"table": TARGET.params["table"] + 1.5 * jax.rando
 PERFECT_FEATURES = make_toy_feature_draft(TARGET)
 NOISY_FEATURES = make_toy_feature_draft(TARGET, noise=1.5, key=jax.random.key(3),
                                         vocab_ids=np.arange(0, V, 2))  # q = 0 on odd ids
-PROMPTS = np.array([
-  [3, 7, 3, 7, 3, 7],
-  [5, 9, 9, 9, 9, 9],
-  [1, 2, 3, 1, 2, 9],
-  [8, 9, 9, 9, 9, 9],
-  [4, 4, 0, 9, 9, 9],
-], np.int32)
-PROMPT_LENGTHS = np.array([6, 1, 5, 1, 3], np.int32)
+PROMPTS, PROMPT_LENGTHS = TOY_PROMPTS[:5], TOY_PROMPT_LENGTHS[:5]
 MAX_NEW = 12
 TREES = {
   "chain": DraftTree.from_branching((1, 1, 1)),
