@@ -244,7 +244,7 @@ MUTANTS: tuple[Mutant, ...] = (
      "per-parent coins: the next sibling reads the coin as is, not rescaled", T_TREE,
      "-k", "written_out and per_parent"),
   _m("tree-flag-q-entry", "_tree.py",
-     "      error = error | value_codes(q_x, tol)\n", "",
+     "      error = error | value_codes(q_x, tol)\n", "      pass\n",
      "error assembly: the q entry of a tested child not checked", T_TREE, "-k", "bad"),
   # --- packed layouts (_packed.py, _verify.py) --------------------------------------------------
   _m("packed-offsets-without-bonus-rows", "_packed.py",
