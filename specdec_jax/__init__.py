@@ -12,32 +12,36 @@ from specdec_jax._adapter import sample
 from specdec_jax._adapter import speculative_step
 from specdec_jax._block import block_verify
 from specdec_jax._block import block_verify_with_key
+from specdec_jax._engine import engine_params
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import describe_error
+from specdec_jax._from_logits import tree_verify_logits
+from specdec_jax._from_logits import tree_verify_logits_with_key
+from specdec_jax._from_logits import verify_logits
+from specdec_jax._from_logits import verify_logits_with_key
 from specdec_jax._logits import DraftSample
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import process_logits
 from specdec_jax._logits import sample_draft
-from specdec_jax._logits import verify_logits
-from specdec_jax._logits import verify_logits_with_key
 from specdec_jax._packed import PackedVerifyResult
-from specdec_jax._packed import engine_params
 from specdec_jax._packed import flat_tokens
 from specdec_jax._packed import packed_verify
 from specdec_jax._packed_tree import PackedTreeResult
+from specdec_jax._packed_tree import PackedTreeVerifyResult
 from specdec_jax._packed_tree import packed_tree_verify
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
-from specdec_jax._sharding import vocab_parallel_packed_verify
-from specdec_jax._sharding import vocab_parallel_tree_verify
-from specdec_jax._sharding import vocab_parallel_verify
 from specdec_jax._tree import TreeVerifyResult
 from specdec_jax._tree import tree_verify
 from specdec_jax._tree import tree_verify_with_key
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax._verify import verify_with_key
+from specdec_jax._vocab_parallel import vocab_parallel_packed_tree_verify
+from specdec_jax._vocab_parallel import vocab_parallel_packed_verify
+from specdec_jax._vocab_parallel import vocab_parallel_tree_verify
+from specdec_jax._vocab_parallel import vocab_parallel_verify
 from specdec_jax.decoding import AdaptiveSpeculation
 from specdec_jax.decoding import DecodeStats
 from specdec_jax.decoding import DraftTree
@@ -62,6 +66,7 @@ __all__ = (
   "GenerateResult",
   "Model",
   "PackedTreeResult",
+  "PackedTreeVerifyResult",
   "PackedVerifyResult",
   "PromptLookup",
   "SamplingParams",
@@ -89,11 +94,14 @@ __all__ = (
   "theory",
   "tree_speculative_generate",
   "tree_verify",
+  "tree_verify_logits",
+  "tree_verify_logits_with_key",
   "tree_verify_with_key",
   "verify",
   "verify_logits",
   "verify_logits_with_key",
   "verify_with_key",
+  "vocab_parallel_packed_tree_verify",
   "vocab_parallel_packed_verify",
   "vocab_parallel_tree_verify",
   "vocab_parallel_verify",

@@ -179,7 +179,8 @@ def sample(probs, rng) -> int:
     0
 
   Reference:
-    SPEC.md, "Sampling"; the inverse transform method (Devroye 1986, Section 2.1).
+    The inverse transform method (Devroye 1986, Section 2.1): the smallest ``k`` with
+    ``u < cumsum(probs)[k]``.
   """
   func = "sample"
   _check_rng(rng, func)
@@ -193,7 +194,7 @@ def sample(probs, rng) -> int:
     return int(_sample_jit(jnp.asarray(array), jnp.asarray(u)))
 
 
-def _check_draft(draft, gamma_hint: int | None, vocab: int, func: str) -> np.ndarray:
+def _check_draft(draft, vocab: int, func: str) -> np.ndarray:
   try:
     array = np.asarray(draft)
   except (ValueError, TypeError):
@@ -276,7 +277,7 @@ def speculative_step(p, q, draft, rng) -> list[int]:
   q_arr = _as_probabilities("q", q_arr, 2, func)
   if vocab < 1:
     raise ValueError(f"{func}: `p` must have V >= 1 columns, got shape {p_arr.shape} instead.")
-  draft_arr = _check_draft(draft, None, vocab, func)
+  draft_arr = _check_draft(draft, vocab, func)
   gamma = draft_arr.shape[0]
   if p_arr.shape != (gamma + 1, vocab):
     raise ValueError(

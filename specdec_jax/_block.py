@@ -21,33 +21,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
+from specdec_jax._batching import anchored
+from specdec_jax._batching import branch
+from specdec_jax._batching import per_sequence
+from specdec_jax._chain import CHAIN_ARRAYS
+from specdec_jax._chain import VerifyResult
+from specdec_jax._chain import finish
+from specdec_jax._chain import gather_draft_probs
+from specdec_jax._chain import prepare
 from specdec_jax._checks import INT
 from specdec_jax._checks import check_chain
 from specdec_jax._checks import check_scalar
+from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import public_jit
-from specdec_jax._errors import ErrorCode
-from specdec_jax._errors import flag
 from specdec_jax._errors import psum_if
 from specdec_jax._errors import stop_row_error
+from specdec_jax._keys import entry_name
+from specdec_jax._keys import key_twin
+from specdec_jax._residual import clean_masses
+from specdec_jax._residual import residual_pass
+from specdec_jax._residual import weights
+from specdec_jax._rows import first_column
+from specdec_jax._rows import sequence_rows
 from specdec_jax._sampling import BLOCK
-from specdec_jax._sampling import block_masses
 from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import sample_blocks
 from specdec_jax._sampling import sanitize
-from specdec_jax._stream import anchored
-from specdec_jax._stream import branch
-from specdec_jax._stream import per_sequence
-from specdec_jax._verify import CHAIN_ARRAYS
-from specdec_jax._verify import VerifyResult
-from specdec_jax._verify import assemble
-from specdec_jax._verify import chain_readers
-from specdec_jax._verify import compute_dtype
-from specdec_jax._verify import first_column
-from specdec_jax._verify import gather_draft_probs
-from specdec_jax._verify import id_in_range
-from specdec_jax._verify import key_uniforms
-from specdec_jax._verify import prepare
+from specdec_jax._verify import chain_randomness
 
 
 def log_block_weights(p_x: jax.Array, q_x: jax.Array) -> jax.Array:
@@ -80,26 +82,11 @@ def log_block_weights(p_x: jax.Array, q_x: jax.Array) -> jax.Array:
   return jnp.concatenate([zero[None], rest])
 
 
-def _residual_pass(p_row, q_row, b, block, dtype):
-  """One fused read of ``p[i]``, ``q[i]``: block masses of ``max(b p - q, 0)`` and of ``p``
-  (negative entries as ``-inf``, NaN propagates) and the sum of ``q``."""
-  p_row = p_row.astype(dtype)
-  q_row = q_row.astype(dtype)
-  negative = (p_row < 0) | (q_row < 0)
-  raw = jnp.where(negative, -jnp.inf, jnp.maximum(b * p_row - q_row, 0))
-  poisoned_p = jnp.where(p_row < 0, -jnp.inf, p_row)
-  return block_masses(raw, block), block_masses(poisoned_p, block), jnp.sum(q_row)
-
-
-def _clean(masses):
-  return jnp.where(jnp.isfinite(masses) & (masses > 0), masses, 0)
-
-
-def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dtype, tol,
+def _stop_and_sample(p_rows, q_rows, log_b, uniforms, limit, *, gamma, vocab, dtype, tol,
                      axis_name=None, bonus_given=False, looped=True):
   """Per sequence: find ``tau`` (scan from ``limit`` down) and sample the final token.
 
-  ``read_p(row, start, size)`` / ``read_q(...)`` return a ``(size,)`` slice of one row; ``vocab``
+  ``p_rows`` / ``q_rows`` are the sequence's row sources (:mod:`~specdec_jax._rows`); ``vocab``
   is the rows' local length (``V / n`` with ``axis_name``: then the row sums and the sample's
   partial masses are reduced over that mesh axis; only scalars cross devices).
   Returns ``(tau, token, row_error)`` (int32 scalars).
@@ -123,9 +110,9 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
   def body(state):
     i, _, _, _, _, err = state
     row_b = b[i]
-    masses, p_masses, q_sum = _residual_pass(read_p(i, 0, vocab), read_q(i, 0, vocab), row_b,
-                                             block, dtype)
-    z = psum_if(jnp.sum(_clean(masses)), axis_name)
+    masses, p_masses, q_sum = residual_pass(p_rows.slice(i, 0, vocab), q_rows.slice(i, 0, vocab),
+                                            block=block, dtype=dtype, a=row_b)
+    z = psum_if(jnp.sum(clean_masses(masses)), axis_name)
     den = z + (1 - row_b)
     h = jnp.where(den > 0, z / jnp.where(den > 0, den, 1), 1)
     done = (i == 0) | (etas[i] < h)
@@ -136,7 +123,7 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
   # Typed like what the body computes (inside shard_map: the same varying mesh axes): the
   # block masses like the rows, the rest like the replicated inputs.
   scalars = (log_b, uniforms, limit)
-  masses0 = anchored(zeros, *scalars, read_p(0, 0, 1), read_q(0, 0, 1))
+  masses0 = anchored(zeros, *scalars, p_rows.slice(0, 0, 1), q_rows.slice(0, 0, 1))
   start = (below[jnp.maximum(limit - 1, 0)], keep_all, masses0, masses0,
            anchored(jnp.zeros((), dtype), *scalars), anchored(jnp.int32(0), *scalars))
   if gamma:
@@ -148,27 +135,26 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
   def bonus():
     if bonus_given:  # the caller's bonus token is emitted: the row is not read
       return masses, p_masses, z, jnp.zeros_like(err)
-    row = read_p(limit, 0, vocab).astype(dtype)
-    poisoned = jnp.where(row < 0, -jnp.inf, row)
-    m = block_masses(poisoned, block)
-    return m, m, psum_if(jnp.sum(_clean(m)), axis_name), stop_row_error(
+    m = residual_pass(p_rows.slice(limit, 0, vocab), None, block=block, dtype=dtype).masses
+    m = anchored(m, q_rows.slice(0, 0, 1))  # typed like the other branch (shard_map)
+    return m, m, psum_if(jnp.sum(clean_masses(m)), axis_name), stop_row_error(
       m, psum_if(jnp.sum(m), axis_name), jnp.zeros((), dtype), jnp.asarray(False), tol, axis_name)
 
   masses, p_masses, z, bonus_err = branch(looped, keep_all, bonus,
                                           lambda: (masses, p_masses, z, jnp.zeros_like(err)))
   err = err | bonus_err
   use_residual = ~keep_all & (z > 0)  # else p[tau] (the bonus row, or the fallback)
-  clean = jnp.where(use_residual | keep_all, _clean(masses), _clean(p_masses))
+  clean = jnp.where(use_residual | keep_all, clean_masses(masses), clean_masses(p_masses))
   b_tau = b[tau]
   q_index = jnp.minimum(tau, max(gamma - 1, 0))
 
   target_u = uniforms[limit]
 
   def block_values(lo, start, size):
-    p_part = read_p(tau, start, size).astype(dtype)
+    p_part = p_rows.slice(tau, start, size).astype(dtype)
     if gamma:
-      q_part = read_q(q_index, start, size).astype(dtype)
-      values = jnp.where(use_residual, jnp.maximum(b_tau * p_part - q_part, 0), p_part)
+      values = weights(p_part, q_rows.slice(q_index, start, size), dtype, a=b_tau)
+      values = jnp.where(use_residual, values, p_part)
     else:
       values = p_part
     return mask_block(sanitize(values), lo, start)
@@ -179,7 +165,7 @@ def _stop_and_sample(read_p, read_q, log_b, uniforms, limit, *, gamma, vocab, dt
 
 def _stop_rule(p, q, log_b, uniforms, limit, offsets, ids, *, dtype, tol, axis_name=None,
                bonus_given=False):
-  """:func:`_stop_and_sample` per sequence, streamed (:func:`~specdec_jax._stream.per_sequence`).
+  """:func:`_stop_and_sample` per sequence, streamed (:func:`~specdec_jax._batching.per_sequence`).
 
   Under ``jax.vmap`` a ``while_loop`` whose rows are picked by a batched index would gather
   whole rows for every lane on every iteration; the streaming rule runs each sequence's scan
@@ -188,17 +174,19 @@ def _stop_rule(p, q, log_b, uniforms, limit, offsets, ids, *, dtype, tol, axis_n
   drafts on ``ids``.
   """
   gamma, vocab = ids.shape[0], p.shape[-1]
-  column = first_column(vocab, axis_name)
   arrays = (p,) if q is None else (p, q)
+  points = ids if q is None else None
 
-  def body(readers, log_b, uniforms, limit, offsets, ids, column, *, looped):
-    read_p, read_q = chain_readers(readers, offsets[0], offsets[1],
-                                   ids if q is None else None, column, dtype)
-    return _stop_and_sample(read_p, read_q, log_b, uniforms, limit, gamma=gamma,
+  column = first_column(vocab, axis_name)
+
+  def body(readers, log_b, uniforms, limit, offsets, points, column, *, looped):
+    p_rows, q_rows = sequence_rows(readers, offsets, local_vocab=vocab, axis_name=axis_name,
+                                   points=points, dtype=dtype, column=column)
+    return _stop_and_sample(p_rows, q_rows, log_b, uniforms, limit, gamma=gamma,
                             vocab=vocab, dtype=dtype, tol=tol, axis_name=axis_name,
                             bonus_given=bonus_given, looped=looped)
 
-  return per_sequence(body, arrays, log_b, uniforms, limit, offsets, ids, column)
+  return per_sequence(body, arrays, log_b, uniforms, limit, offsets, points, column)
 
 
 def block_verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
@@ -217,24 +205,19 @@ def block_verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: i
   # An out-of-range id is never kept: it counts as p(x) = 0 (flagged below).
   log_b = log_block_weights(jnp.where(prep.in_range, p_x, 0), q_x)
   offsets = jnp.stack([jnp.asarray(p_offset, jnp.int32), jnp.asarray(q_offset, jnp.int32)])
-  given = bonus_token is not None
   tau, token, row_err = _stop_rule(p, q, log_b, prep.uniforms, prep.limit, offsets,
                                    prep.safe_draft, dtype=prep.dtype, tol=prep.tol,
-                                   axis_name=axis_name, bonus_given=given)
-  num_uniforms = prep.limit + 1
-  if given:  # every proposal kept: the caller's token, the last uniform unread
-    bonus_ok, safe_bonus = id_in_range(bonus_token, vocab)
-    use_bonus = tau == prep.limit
-    token = jnp.where(use_bonus, safe_bonus, token)
-    row_err = row_err | jnp.where(use_bonus, flag(~bonus_ok, ErrorCode.TOKEN_OUT_OF_RANGE), 0)
-    num_uniforms = prep.limit + (~use_bonus).astype(jnp.int32)
+                                   axis_name=axis_name, bonus_given=bonus_token is not None)
   # Every b_i up to b_n is computed, so every position < n was read.
-  return assemble(prep, p_x, q_x, num_accepted=tau, token=token, num_uniforms=num_uniforms,
-                  tested=prep.positions < prep.limit, row_error=row_err, pad_id=pad_id)
+  return finish(prep, p_x, q_x, num_accepted=tau, token=token, num_uniforms=prep.limit + 1,
+                tested=prep.positions < prep.limit, row_error=row_err, pad_id=pad_id,
+                vocab=vocab, bonus_token=bonus_token, accepted_all=tau == prep.limit)
 
 
 @public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id",))
-def block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> VerifyResult:
+def block_verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike,
+                 uniforms: ArrayLike | None = None, *, key: ArrayLike | None = None,
+                 num_draft: ArrayLike | None = None, pad_id: int = -1) -> VerifyResult:
   """Block verification of one draft sequence (pure, jitted): exact, longer.
 
   Same signature and result as :func:`specdec_jax.verify`, so it plugs into
@@ -250,7 +233,7 @@ def block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> 
 
   The test is ``eta_i < h_i`` (the paper writes ``<=``; the law is the same for a
   continuous uniform, and ``<`` never keeps a draft token of target probability 0 when a
-  float uniform is exactly 0, the trap SPEC.md names).
+  float uniform is exactly 0: ``0 <= 0`` would accept it).
 
   Uniform order: ``eta_i`` is ``uniforms[i - 1]`` for ``i = 1 .. n`` and the final sample
   reads ``uniforms[n]``; ``num_uniforms = n + 1`` always (every ``eta`` is part of the
@@ -264,15 +247,15 @@ def block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> 
   uniforms of positions ``< n``, and every full row read (finite, non-negative, sums to 1);
   ``valid``/``error`` report problems and returned ids are always in ``[0, V)``.
 
-  Multi-host: a global array that spans several processes (``jax.distributed``) is
-  accepted and never read on the host; its values are checked under ``jit`` and flagged in
-  ``error``.
+  Multi-host: see the README, "Running on many devices and hosts".
 
   Args:
     p: ``(gamma + 1, V)`` floating target distributions.
     q: ``(gamma, V)`` floating draft distributions (what ``draft`` was sampled from).
     draft: ``(gamma,)`` integer token ids in ``[0, V)``.
-    uniforms: ``(gamma + 1,)`` floating, each in ``[0, 1)``.
+    uniforms: ``(gamma + 1,)`` floating, each in ``[0, 1)``; or
+    key: one ``jax.random`` key (uniforms drawn as in :func:`~specdec_jax.verify`;
+      :func:`block_verify_with_key` is this form with the key first).
     num_draft: optional int32 scalar in ``[0, gamma]`` (ragged batches), as in ``verify``.
     pad_id: static int for the unused slots of ``tokens``.
 
@@ -291,43 +274,18 @@ def block_verify(p, q, draft, uniforms, *, num_draft=None, pad_id: int = -1) -> 
     Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh, "Block Verification
     Accelerates Speculative Decoding", ICLR 2025, arXiv:2403.10444, Algorithm 2.
   """
-  _, vocab = check_chain("block_verify", p, q, draft, uniforms)
-  check_scalar("block_verify", "num_draft", num_draft, INT)
+  name = entry_name("block_verify")
+  gamma, vocab = check_chain(name, p, q, draft, uniforms)
+  check_scalar(name, "num_draft", num_draft, INT)
+  dtype = compute_dtype(p.dtype, (p if q is None else q).dtype)
+  uniforms = chain_randomness(name, key, uniforms, gamma, dtype)
   return block_verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
 
 
-@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id",))
-def block_verify_with_key(key, p, q, draft, *, num_draft=None,
-                          pad_id: int = -1) -> VerifyResult:
-  """:func:`block_verify` with its ``gamma + 1`` uniforms from a key.
-
-  The uniforms are ``jax.random.uniform(key, (gamma + 1,), dtype)`` in the computation
-  dtype, exactly as in :func:`specdec_jax.verify_with_key`.
-
-  Args:
-    key: a ``jax.random`` key.
-    p: ``(gamma + 1, V)`` target distributions.
-    q: ``(gamma, V)`` draft distributions.
-    draft: ``(gamma,)`` integer token ids.
-    num_draft: optional int32 scalar in ``[0, gamma]``.
-    pad_id: static int for the unused slots.
-
-  Returns:
-    :class:`VerifyResult`.
-
-  Example:
+block_verify_with_key = key_twin(block_verify, """\
     >>> import jax, jax.numpy as jnp
     >>> p = jnp.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
     >>> q = jnp.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
     >>> r = block_verify_with_key(jax.random.key(0), p, q, jnp.array([1, 2]))
     >>> 1 <= int(r.num_tokens) <= 3
-    True
-
-  Reference:
-    Sun et al., "Block Verification Accelerates Speculative Decoding", arXiv:2403.10444.
-  """
-  name = "block_verify_with_key"
-  gamma, vocab = check_chain(name, p, q, draft, None)
-  check_scalar(name, "num_draft", num_draft, INT)
-  uniforms = key_uniforms(name, key, gamma + 1, compute_dtype(p.dtype, q.dtype))
-  return block_verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
+    True""")

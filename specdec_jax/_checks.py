@@ -181,11 +181,13 @@ def check_chain(fn: str, p, q, draft, uniforms,
   """Trace-time checks of a chain verifier's arrays. Returns ``(gamma, V)``.
 
   ``p`` is ``(gamma + 1, V)``, ``q`` ``(gamma, V)``, ``draft`` ``(gamma,)`` and ``uniforms``
-  ``(gamma + 1,)`` (``uniforms=None`` skips its check: the ``*_with_key`` forms draw them).
+  ``(gamma + 1,)`` (``uniforms=None`` skips its check: the ``key=`` forms draw them;
+  ``q=None`` means point-mass drafts).
   """
   pn, qn = names
   check_array(fn, pn, p, 2, FLOAT)
-  check_array(fn, qn, q, 2, FLOAT)
+  if q is not None:
+    check_array(fn, qn, q, 2, FLOAT)
   check_array(fn, "draft", draft, 1, INT)
   if uniforms is not None:
     check_array(fn, "uniforms", uniforms, 1, FLOAT)
@@ -198,7 +200,7 @@ def check_chain(fn: str, p, q, draft, uniforms,
       f"{fn}: `{pn}` must have shape (gamma + 1, V) = ({gamma + 1}, {vocab}) for gamma = "
       f"{gamma} (the length of `draft`), got {tuple(p.shape)} instead."
     )
-  if tuple(q.shape) != (gamma, vocab):
+  if q is not None and tuple(q.shape) != (gamma, vocab):
     raise ValueError(
       f"{fn}: `{qn}` must have shape (gamma, V) = ({gamma}, {vocab}) for gamma = {gamma} "
       f"(the length of `draft`) and V = {vocab} (from `{pn}`), got {tuple(q.shape)} instead."
@@ -247,6 +249,7 @@ class PublicJit:
                name: str | None):
     functools.update_wrapper(self, fn)
     self._label = name or fn.__name__
+    self.arrays, self.static_argnames = dict(arrays), tuple(static_argnames)
     self._jit = jax.jit(fn, static_argnames=static_argnames)
     params = list(inspect.signature(fn).parameters)
     self._slots = [(params.index(arg), arg, kind) for arg, kind in arrays.items()

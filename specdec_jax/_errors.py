@@ -81,21 +81,6 @@ def value_codes(values: jax.Array, tol: float) -> jax.Array:
   )
 
 
-def row_error(row: jax.Array, tol: float, axis_name: str | None = None) -> jax.Array:
-  """Error bits for a full probability row: finite, non-negative, sums to 1 within ``tol``.
-
-  With ``axis_name`` the row is split over that mesh axis and three scalars are summed across it.
-  """
-  nonfinite = psum_if(jnp.sum(~jnp.isfinite(row), dtype=jnp.int32), axis_name) > 0
-  negative = psum_if(jnp.sum(row < 0, dtype=jnp.int32), axis_name) > 0
-  off = jnp.abs(psum_if(jnp.sum(row), axis_name) - 1) > tol
-  return (
-    flag(nonfinite, ErrorCode.NONFINITE)
-    | flag(negative, ErrorCode.NEGATIVE)
-    | flag(~nonfinite & off, ErrorCode.NOT_NORMALIZED)
-  )
-
-
 def stop_row_error(masses, p_sum, q_sum, rejected, tol, axis_name=None) -> jax.Array:
   """Error bits of the stop row(s) from the fused passes' results.
 

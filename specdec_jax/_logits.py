@@ -18,21 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax._checks import FLOAT
-from specdec_jax._checks import INT
-from specdec_jax._checks import KEY
-from specdec_jax._checks import check_chain
-from specdec_jax._checks import check_scalar
 from specdec_jax._checks import host_array
 from specdec_jax._checks import is_concrete
-from specdec_jax._checks import public_jit
 from specdec_jax._errors import ErrorCode
+from specdec_jax._process import process_rows as process_rows
+from specdec_jax._process import process_unchecked
+from specdec_jax._process import scaled_logits as scaled_logits
 from specdec_jax._sampling import sample_index
-from specdec_jax._threshold import top_k_mask
-from specdec_jax._threshold import top_p_mask
-from specdec_jax._verify import VerifyResult
-from specdec_jax._verify import compute_dtype
-from specdec_jax._verify import key_uniforms
-from specdec_jax._verify import verify_rows
 
 
 class SamplingParams(NamedTuple):
@@ -62,11 +54,6 @@ class SamplingParams(NamedTuple):
   temperature: float | jax.Array = 1.0
   top_k: int | jax.Array | None = None
   top_p: float | jax.Array | None = None
-
-
-def is_concrete_value(x) -> bool:
-  """A parameter that is set and whose value the host can read."""
-  return x is not None and is_concrete(x)
 
 
 _EXPECTED = {"temperature": ">= 0", "top_k": ">= 0 (0 disables)",
@@ -138,47 +125,6 @@ def params_error(params: SamplingParams) -> jax.Array:
   return jnp.where(bad, jnp.int32(ErrorCode.BAD_PARAMS.value), jnp.int32(0))
 
 
-def scaled_logits(logits: jax.Array, temperature) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(z, greedy, broken)`` for one row: the temperature-scaled logits and two flags.
-
-  ``z = (x - max(x)) / T`` over the finite logits (``-inf`` stays ``-inf``): every entry is
-  ``<= 0`` and the largest is 0, so no positive temperature, however small or large, can
-  turn a row into NaN (a tiny ``T`` sends the others to ``-inf``, i.e. probability 0).
-  ``greedy`` is ``~(T > 0)`` (0, negative or NaN). ``broken`` marks a row the model got
-  wrong: a NaN or ``+inf`` logit, or no finite logit at all.
-  """
-  dtype = compute_dtype(logits.dtype)
-  x = logits.astype(dtype)
-  temperature = jnp.asarray(temperature, dtype)
-  greedy = ~(temperature > 0)
-  finite = jnp.isfinite(x)
-  broken = jnp.any(jnp.isnan(x) | (x == jnp.inf)) | ~jnp.any(finite)
-  top = jnp.max(jnp.where(finite, x, -jnp.inf))
-  scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
-  z = jnp.where(finite, (x - jnp.where(broken, 0, top)) / scale, -jnp.inf)
-  return z, greedy, broken
-
-
-def _process_row(logits: jax.Array, params: SamplingParams) -> jax.Array:
-  """One row ``(V,)`` of logits to probabilities (float32 at least)."""
-  vocab = logits.shape[-1]
-  z, greedy, broken = scaled_logits(logits, params.temperature)
-  dtype = z.dtype
-  neg_inf = jnp.full_like(z, -jnp.inf)
-
-  if params.top_k is not None:
-    z = jnp.where(top_k_mask(z, params.top_k), z, neg_inf)
-  if params.top_p is not None:
-    top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
-    keep = top_p_mask(z, jax.nn.softmax(z), top_p)
-    z = jnp.where(keep | (top_p >= 1), z, neg_inf)
-
-  probs = jax.nn.softmax(z)
-  one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)
-  # A broken row is NaN at every temperature (greedy too), so whoever reads it flags it.
-  return jnp.where(broken, jnp.nan, jnp.where(greedy, one_hot, probs))
-
-
 def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams()) -> jax.Array:
   """Logits to the processed distribution: temperature, then top-k, then top-p.
 
@@ -210,8 +156,8 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
   ``temperature`` negative or NaN, ``top_k < 0``, ``top_p`` outside ``(0, 1]``) give NaN rows
   too, never a plausible distribution.
 
-  Multi-host: a global array that spans several processes (``jax.distributed``) is
-  accepted and never read on the host (out-of-range ``params`` held so give NaN rows, above).
+  Multi-host: see the README, "Running on many devices and hosts" (out-of-range ``params``
+  held so give NaN rows, above).
 
   Args:
     logits: ``(V,)`` or ``(rows, V)`` floating logits (all rows share ``params``).
@@ -246,23 +192,6 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
   return jnp.where(params_error(params) != 0, jnp.asarray(jnp.nan, probs.dtype), probs)
 
 
-def process_unchecked(logits: jax.Array, params: SamplingParams) -> jax.Array:
-  """:func:`process_logits` without its checks, and without NaN rows for out-of-range
-  parameters: for callers that flag ``ErrorCode.BAD_PARAMS`` themselves (the verifiers from
-  logits, the decoding loops)."""
-  if logits.ndim == 1:
-    return _process_row(logits, params)
-  return jax.vmap(_process_row, in_axes=(0, None))(logits, params)
-
-
-def process_rows(logits: jax.Array, params: SamplingParams) -> jax.Array:
-  """``(R, V)`` logits to probabilities with per-row parameters (fields ``(R,)`` or None).
-
-  The traced body of :func:`process_logits` for packed rows (no checks: the caller's).
-  """
-  return jax.vmap(_process_row)(logits, params)
-
-
 class DraftSample(NamedTuple):
   """A draft token and the distribution it was drawn from.
 
@@ -286,8 +215,7 @@ def sample_draft(key: jax.Array, logits: jax.Array,
   Broken logits and parameters out of range under ``jit`` give NaN ``probs``, as in
   :func:`process_logits`: the verifier that reads them reports ``ErrorCode.NONFINITE``.
 
-  Multi-host: a global array that spans several processes (``jax.distributed``) is
-  accepted and never read on the host (as :func:`process_logits`).
+  Multi-host: see the README, "Running on many devices and hosts" (as :func:`process_logits`).
 
   Args:
     key: a ``jax.random`` key.
@@ -321,124 +249,9 @@ def sample_unchecked(key: jax.Array, logits: jax.Array, params: SamplingParams) 
   return DraftSample(sample_index(probs, u), probs)
 
 
-def verify_logits_rows(target_logits, draft_logits, draft, uniforms, params, num_draft, *,
-                       pad_id: int, name: str) -> VerifyResult:
-  """Process both sides' logits with ``params`` and verify: the body of :func:`verify_logits`."""
-  if target_logits.ndim == 2 and draft_logits.ndim == 2 and (
-      target_logits.shape[-1] != draft_logits.shape[-1]):
-    raise ValueError(
-      f"{name}: `target_logits` and `draft_logits` must have the same vocabulary size, got "
-      f"V = {target_logits.shape[-1]} and V = {draft_logits.shape[-1]} instead."
-    )
-  gamma, vocab = check_chain(name, target_logits, draft_logits, draft, uniforms,
-                             names=("target_logits", "draft_logits"))
-  check_scalar(name, "num_draft", num_draft, INT)
-  check_params(params, name)
-  p = process_unchecked(target_logits, params)
-  q = process_unchecked(draft_logits, params) if gamma else jnp.zeros((0, vocab), p.dtype)
-  result = verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
-  error = result.error | params_error(params)
-  return result._replace(error=error, valid=error == 0)
-
-
-#: The array arguments of the logits verifiers, converted on the host by ``public_jit``.
-LOGITS_ARRAYS = {"key": KEY, "target_logits": FLOAT, "draft_logits": FLOAT, "draft": INT,
-                 "uniforms": FLOAT, "num_draft": INT}
-
-
-@public_jit(arrays=LOGITS_ARRAYS, static_argnames=("pad_id",))
-def verify_logits(target_logits, draft_logits, draft, uniforms,
-                  params: SamplingParams = SamplingParams(), *, num_draft=None,
-                  pad_id: int = -1) -> VerifyResult:
-  """:func:`verify` on logits, with per-sequence temperature, top-k and top-p.
-
-  Both ``target_logits`` and ``draft_logits`` go through :func:`process_logits`
-  with the same ``params``; the result is exact with respect to the processed
-  target distribution, provided the draft tokens were sampled from the processed
-  draft distribution (e.g. with :func:`sample_draft`). ``temperature == 0`` gives
-  greedy verification: accept while the draft equals the target's argmax, then
-  emit the argmax (point masses make the rule do exactly that), so greedy and
-  sampled sequences can share one batch. All parameters may be traced: no
-  recompilation when their values change.
-
-  Multi-host: a global array that spans several processes (``jax.distributed``) is
-  accepted and never read on the host; its values are checked under ``jit`` and flagged in
-  ``error``.
-
-  Args:
-    target_logits: ``(gamma + 1, V)`` target logits.
-    draft_logits: ``(gamma, V)`` draft logits at the proposed positions.
-    draft: ``(gamma,)`` integer token ids.
-    uniforms: ``(gamma + 1,)`` uniforms in ``[0, 1)``, read as in :func:`verify`.
-    params: :class:`SamplingParams` with scalar fields.
-    num_draft: optional int32 scalar in ``[0, gamma]``, as in :func:`verify`.
-    pad_id: static int for the unused slots.
-
-  Returns:
-    :class:`VerifyResult`; ``ErrorCode.BAD_PARAMS`` is set for out-of-range parameters.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> target = jnp.array([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
-    >>> draft_logits = jnp.zeros((2, 3))
-    >>> r = verify_logits(target, draft_logits, jnp.array([1, 2]), jnp.array([0.5, 0.5, 0.5]),
-    ...                   SamplingParams(temperature=0.0))
-    >>> r.tokens.tolist()   # greedy: 1 == argmax kept, 2 != argmax replaced by 0
-    [1, 0, -1]
-
-  Reference:
-    Leviathan, Kalman, Matias (2023), arXiv:2211.17192.
-  """
-  return verify_logits_rows(target_logits, draft_logits, draft, uniforms, params, num_draft,
-                            pad_id=pad_id, name="verify_logits")
-
-
-
-
-@public_jit(arrays=LOGITS_ARRAYS, static_argnames=("pad_id",))
-def verify_logits_with_key(key, target_logits, draft_logits, draft,
-                           params: SamplingParams = SamplingParams(), *, num_draft=None,
-                           pad_id: int = -1) -> VerifyResult:
-  """:func:`verify_logits` with uniforms drawn from a key.
-
-  Draws ``jax.random.uniform(key, (gamma + 1,))`` in the computation dtype, as
-  :func:`verify_with_key` does; split keys per sequence for a batch.
-
-  Multi-host: a global array that spans several processes (``jax.distributed``) is
-  accepted and never read on the host; its values are checked under ``jit`` and flagged in
-  ``error``.
-
-  Args:
-    key: a ``jax.random`` key.
-    target_logits: ``(gamma + 1, V)``.
-    draft_logits: ``(gamma, V)``.
-    draft: ``(gamma,)`` integer ids.
-    params: :class:`SamplingParams`.
-    num_draft: optional int32 scalar.
-    pad_id: static int.
-
-  Returns:
-    :class:`VerifyResult`.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> r = verify_logits_with_key(jax.random.key(1), jnp.zeros((3, 4)), jnp.zeros((2, 4)),
-    ...                            jnp.array([0, 3]))
-    >>> int(r.num_tokens)   # equal distributions: every proposal is accepted
-    3
-  """
-  name = "verify_logits_with_key"
-  gamma, _ = check_chain(name, target_logits, draft_logits, draft, None,
-                         names=("target_logits", "draft_logits"))
-  uniforms = key_uniforms(name, key, gamma + 1, compute_dtype(target_logits.dtype))
-  return verify_logits_rows(target_logits, draft_logits, draft, uniforms, params, num_draft,
-                            pad_id=pad_id, name=name)
-
 __all__ = [
   "DraftSample",
   "SamplingParams",
   "process_logits",
   "sample_draft",
-  "verify_logits",
-  "verify_logits_with_key",
 ]

@@ -8,7 +8,8 @@ reads its gathered scalars and its stop row in place (row offsets into the share
 nothing is padded, copied or one-hot encoded. Point-mass drafts (n-gram, prompt lookup, greedy
 drafters: ``draft_probs=None``) are handled by the rule itself, a caller-sampled bonus token is
 emitted as given, logits are processed per request (greedy rows mixed with sampled ones), and
-the engines' sentinels are mapped by ``convention``.
+the engines' sentinels are mapped by ``convention``. The same body runs over vocabulary shards
+(:func:`~specdec_jax.vocab_parallel_packed_verify`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
-from specdec_jax._block import block_verify_rows
 from specdec_jax._checks import FLOAT
 from specdec_jax._checks import INT
 from specdec_jax._checks import KEY
@@ -28,23 +30,20 @@ from specdec_jax._checks import check_array
 from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
+from specdec_jax._engine import engine_params
+from specdec_jax._engine import process
+from specdec_jax._engine import row_owners
+from specdec_jax._engine import rows_params
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
+from specdec_jax._keys import draw_uniforms
+from specdec_jax._keys import one_source
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
-from specdec_jax._logits import process_rows
-from specdec_jax._verify import verify_rows
-
-#: The chain rules :func:`packed_verify` can run (``rule=``).
-PACKED_RULES = {"token": verify_rows, "block": block_verify_rows}
-
-#: How each engine writes greedy / disabled sampling parameters (``convention=``).
-CONVENTIONS = ("specdec", "vllm", "tpu_inference", "sglang")
-
-#: Temperatures below this are greedy under the engines' conventions (tpu-inference's
-#: ``_SAMPLING_EPS`` is 1e-5, sglang's 1e-6, vLLM compares with 0).
-GREEDY_BELOW = {"specdec": 0.0, "vllm": 1e-5, "tpu_inference": 1e-5, "sglang": 1e-6}
+from specdec_jax._mesh import check_divisible
+from specdec_jax._mesh import over_vocab
+from specdec_jax._rules import CHAIN_RULES
 
 
 class PackedVerifyResult(NamedTuple):
@@ -56,6 +55,7 @@ class PackedVerifyResult(NamedTuple):
       :func:`flat_tokens` for tpu-inference's).
     num_tokens: int32 ``(B,)`` new tokens per request, ``num_accepted + 1``.
     num_accepted: int32 ``(B,)`` accepted drafts per request.
+    num_uniforms: int32 ``(B,)`` uniforms each request read (slots ``0 .. n - 1`` of its row).
     valid: bool ``(B,)``: everything the request's step read was in range.
     error: int32 ``(B,)`` :class:`~specdec_jax.ErrorCode` bits; 0 when ``valid``.
   """
@@ -63,76 +63,9 @@ class PackedVerifyResult(NamedTuple):
   tokens: jax.Array
   num_tokens: jax.Array
   num_accepted: jax.Array
+  num_uniforms: jax.Array
   valid: jax.Array
   error: jax.Array
-
-
-def engine_params(params: SamplingParams, convention: str = "specdec") -> SamplingParams:
-  """An engine's per-request sampling parameters in specdec_jax's convention (traced-safe).
-
-  specdec_jax: temperature ``0`` is greedy, ``top_k = 0`` and ``top_p = 1`` disable. The
-  engines write these differently; every mapping below is a ``jnp.where``, so it works on
-  traced ``(B,)`` arrays inside a jitted engine step:
-
-  * ``"vllm"``: temperature below ``1e-5`` (0, or -1 in older versions) is greedy;
-    ``top_k`` ``<= 0`` (0 or -1) disables.
-  * ``"tpu_inference"``: temperature below ``1e-5`` (its ``-1`` greedy and padding rows) is
-    greedy; ``top_k <= 0`` disables (``-1`` for ``top_k >= V``).
-  * ``"sglang"``: temperature below ``1e-6`` is greedy; ``top_k`` ``-1`` (or ``1 << 30``,
-    ``TOP_K_ALL``, which is ``>= V`` and so keeps everything anyway) disables.
-
-  ``top_p`` means the same everywhere (``1`` disables). Values that stay out of range after
-  the mapping (a NaN temperature, ``top_p`` 0) are flagged ``BAD_PARAMS`` as usual.
-
-  Args:
-    params: :class:`SamplingParams` with scalar or ``(B,)`` fields in the engine's convention.
-    convention: one of :data:`CONVENTIONS`.
-
-  Returns:
-    :class:`SamplingParams` in specdec_jax's convention.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> p = engine_params(SamplingParams(jnp.array([-1.0, 0.7]), jnp.array([-1, 20])),
-    ...                   "tpu_inference")
-    >>> p.temperature.tolist(), p.top_k.tolist()
-    ([0.0, 0.699999988079071], [0, 20])
-  """
-  if convention not in CONVENTIONS:
-    raise ValueError(f"engine_params: `convention` must be one of {CONVENTIONS}, got "
-                     f"{convention!r} instead.")
-  if convention == "specdec":
-    return params
-  temperature = jnp.asarray(params.temperature)
-  if not jnp.issubdtype(temperature.dtype, jnp.floating):
-    temperature = temperature.astype(jnp.float32)
-  greedy = temperature < GREEDY_BELOW[convention]  # NaN stays NaN (flagged)
-  temperature = jnp.where(greedy, jnp.zeros_like(temperature), temperature)
-  top_k = params.top_k
-  if top_k is not None:
-    top_k = jnp.asarray(top_k)
-    top_k = jnp.where(top_k < 0, jnp.zeros_like(top_k), top_k)
-  return SamplingParams(temperature, top_k, params.top_p)
-
-
-def row_owners(counts: jax.Array, num_rows: int) -> jax.Array:
-  """``(num_rows,)`` int32: the request each packed row belongs to (rows past the last: B - 1).
-
-  ``counts[i]`` rows belong to request ``i``, in request order.
-  """
-  ends = jnp.cumsum(counts)
-  owner = jnp.searchsorted(ends, jnp.arange(num_rows, dtype=ends.dtype), side="right")
-  return jnp.minimum(owner, counts.shape[0] - 1).astype(jnp.int32)
-
-
-def _per_row(params: SamplingParams, owners: jax.Array) -> SamplingParams:
-  """Per-request (or shared scalar) parameters expanded to packed rows."""
-  def expand(v):
-    if v is None:
-      return None
-    v = jnp.asarray(v)
-    return jnp.broadcast_to(v, owners.shape) if v.ndim == 0 else v[owners]
-  return SamplingParams(*(expand(v) for v in params))
 
 
 def check_packed(name, draft_token_ids, num_draft_tokens, target, draft, bonus_token_ids,
@@ -170,19 +103,6 @@ def check_packed(name, draft_token_ids, num_draft_tokens, target, draft, bonus_t
   return batch, total, vocab
 
 
-def _draw_uniforms(name: str, key, batch: int, count: int, dtype) -> jax.Array:
-  """``(B, count)`` uniforms from one key, or from ``B`` keys (one row per request's key)."""
-  dtype_of = getattr(key, "dtype", None)
-  shape = tuple(getattr(key, "shape", ()))
-  typed = dtype_of is not None and jnp.issubdtype(dtype_of, jax.dtypes.prng_key)
-  if (typed and shape == ()) or (dtype_of == jnp.uint32 and shape == (2,)):
-    return jax.random.uniform(key, (batch, count), dtype=dtype)
-  if (typed and shape == (batch,)) or (dtype_of == jnp.uint32 and shape == (batch, 2)):
-    return jax.vmap(lambda k: jax.random.uniform(k, (count,), dtype=dtype))(key)
-  raise TypeError(f"{name}: `key` must be one jax.random key or B = {batch} keys (one per "
-                  f"request), got {type(key).__name__} of dtype {dtype_of} and shape {shape}.")
-
-
 def _host_checks(name, num_draft_tokens, draft_token_ids, max_spec_len, params, batch,
                  target, draft, bonus_rows, target_name, draft_name):
   """Host values checked on the host; JAX arrays are not read back (no device round trip),
@@ -211,13 +131,16 @@ def _host_checks(name, num_draft_tokens, draft_token_ids, max_spec_len, params, 
 PACKED_ARRAYS = {"draft_token_ids": INT, "num_draft_tokens": INT, "target_probs": FLOAT,
                  "target_logits": FLOAT, "draft_probs": FLOAT, "draft_logits": FLOAT,
                  "bonus_token_ids": INT, "key": KEY, "uniforms": FLOAT}
-STATIC = ("max_spec_len", "bonus_rows", "rule", "convention", "pad_id")
 
 
-def packed_verify(draft_token_ids, num_draft_tokens, *, max_spec_len: int, target_probs=None,
-                  target_logits=None, draft_probs=None, draft_logits=None,
-                  bonus_token_ids=None, params: SamplingParams | None = None, key=None,
-                  uniforms=None, bonus_rows: bool | None = None, rule: str = "token",
+def packed_verify(draft_token_ids: ArrayLike, num_draft_tokens: ArrayLike, *, max_spec_len: int,
+                  target_probs: ArrayLike | None = None,
+                  target_logits: ArrayLike | None = None, draft_probs: ArrayLike | None = None,
+                  draft_logits: ArrayLike | None = None,
+                  bonus_token_ids: ArrayLike | None = None,
+                  params: SamplingParams | None = None, key: ArrayLike | None = None,
+                  uniforms: ArrayLike | None = None, bonus_rows: bool | None = None,
+                  rule: str = "token",
                   convention: str = "specdec", pad_id: int = -1) -> PackedVerifyResult:
   """Exact verification of a packed, ragged batch, reading every row in place (jitted).
 
@@ -242,9 +165,8 @@ def packed_verify(draft_token_ids, num_draft_tokens, *, max_spec_len: int, targe
   ``target_logits``, every row is processed once, in place of the array; the sort-free
   top-k/top-p of :func:`~specdec_jax.process_logits`).
 
-  Multi-host: a global array that spans several processes (``jax.distributed``) is
-  accepted and never read on the host; its values are checked under ``jit`` and flagged in
-  ``error``.
+  Multi-host: see the README, "Running on many devices and hosts". Vocabulary-sharded rows:
+  :func:`~specdec_jax.vocab_parallel_packed_verify` (the same call over a mesh).
 
   Args:
     draft_token_ids: ``(T,)`` int, the drafts of all requests, concatenated.
@@ -288,7 +210,19 @@ def packed_verify(draft_token_ids, num_draft_tokens, *, max_spec_len: int, targe
     Accelerates Speculative Decoding" (2025), arXiv:2403.10444; the packed layouts of
     vLLM V1 (``rejection_sampler.py``) and vllm-project/tpu-inference (``RejectionSampler``).
   """
-  name = "packed_verify"
+  return packed_call("packed_verify", None, None, draft_token_ids, num_draft_tokens,
+                     max_spec_len=max_spec_len, target_probs=target_probs,
+                     target_logits=target_logits, draft_probs=draft_probs,
+                     draft_logits=draft_logits, bonus_token_ids=bonus_token_ids, params=params,
+                     key=key, uniforms=uniforms, bonus_rows=bonus_rows, rule=rule,
+                     convention=convention, pad_id=pad_id)
+
+
+def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, max_spec_len,
+                target_probs, target_logits, draft_probs, draft_logits, bonus_token_ids, params,
+                key, uniforms, bonus_rows, rule, convention, pad_id,
+                lower=False) -> PackedVerifyResult:
+  """Host-side checks and conversion, then the jitted packed body (over ``mesh``, if given)."""
   args = dict(draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens,
               target_probs=target_probs, target_logits=target_logits, draft_probs=draft_probs,
               draft_logits=draft_logits, bonus_token_ids=bonus_token_ids, key=key,
@@ -299,13 +233,12 @@ def packed_verify(draft_token_ids, num_draft_tokens, *, max_spec_len: int, targe
     raise ValueError(f"{name}: pass exactly one of `target_probs` and `target_logits`.")
   if args["draft_probs"] is not None and args["draft_logits"] is not None:
     raise ValueError(f"{name}: pass at most one of `draft_probs` and `draft_logits`.")
-  if (key is None) == (uniforms is None):
-    raise ValueError(f"{name}: pass exactly one of `key` and `uniforms`.")
+  one_source(name, key, uniforms)
   if params is not None and args["target_logits"] is None:
     raise ValueError(f"{name}: `params` apply to logits; with `target_probs` the rows are "
                      "already processed (pass `target_logits` to have them processed).")
-  if rule not in PACKED_RULES:
-    raise ValueError(f"{name}: `rule` must be one of {tuple(PACKED_RULES)}, got {rule!r}.")
+  if rule not in CHAIN_RULES:
+    raise ValueError(f"{name}: `rule` must be one of {tuple(CHAIN_RULES)}, got {rule!r}.")
   if bonus_rows is None:
     bonus_rows = args["bonus_token_ids"] is None
   if not isinstance(bonus_rows, bool):
@@ -323,41 +256,52 @@ def packed_verify(draft_token_ids, num_draft_tokens, *, max_spec_len: int, targe
                args["draft_logits"] if args["draft_logits"] is not None else args["draft_probs"],
                bonus_rows, "target_logits" if logits else "target_probs",
                "draft_logits" if args["draft_logits"] is not None else "draft_probs")
-  return _packed_jit(**args, params=params, max_spec_len=max_spec_len, bonus_rows=bonus_rows,
-                     rule=rule, pad_id=pad_id)
+  run = packed_jit.lower if lower else packed_jit
+  return run(**args, params=params, max_spec_len=max_spec_len, bonus_rows=bonus_rows,
+                     rule=rule, pad_id=pad_id, name=name, mesh=mesh, vocab_axis=vocab_axis)
 
 
-@functools.partial(jax.jit, static_argnames=("max_spec_len", "bonus_rows", "rule", "pad_id"))
-def _packed_jit(draft_token_ids, num_draft_tokens, target_probs, target_logits, draft_probs,
+@functools.partial(jax.jit, static_argnames=("max_spec_len", "bonus_rows", "rule", "pad_id",
+                                             "name", "mesh", "vocab_axis"))
+def packed_jit(draft_token_ids, num_draft_tokens, target_probs, target_logits, draft_probs,
                 draft_logits, bonus_token_ids, key, uniforms, params, *, max_spec_len,
-                bonus_rows, rule, pad_id) -> PackedVerifyResult:
-  name = "packed_verify"
+                bonus_rows, rule, pad_id, name="packed_verify", mesh=None,
+                vocab_axis=None) -> PackedVerifyResult:
   logits = target_probs is None
   target = target_logits if logits else target_probs
   draft = draft_logits if draft_logits is not None else draft_probs
-  batch, _, _ = check_packed(
+  target_name = "target_logits" if logits else "target_probs"
+  batch, _, vocab = check_packed(
     name, draft_token_ids, num_draft_tokens, target, draft, bonus_token_ids, uniforms,
-    max_spec_len, bonus_rows, "target_logits" if logits else "target_probs",
+    max_spec_len, bonus_rows, target_name,
     "draft_logits" if draft_logits is not None else "draft_probs")
   if uniforms is None:
     dtypes = [target.dtype] + ([] if draft is None else [draft.dtype])
-    uniforms = _draw_uniforms(name, key, batch, max_spec_len + 1, compute_dtype(*dtypes))
-  return packed_rows(draft_token_ids, num_draft_tokens, target, draft, bonus_token_ids,
-                     uniforms, params, max_spec_len=max_spec_len, bonus_rows=bonus_rows,
-                     rule=rule, pad_id=pad_id, draft_is_logits=draft_logits is not None)
+    uniforms = draw_uniforms(name, key, batch, max_spec_len + 1, compute_dtype(*dtypes))
+  named = dict(draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens,
+               target=target, draft=draft, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
+               params=params)
+  body = functools.partial(packed_body, max_spec_len=max_spec_len, bonus_rows=bonus_rows,
+                           rule=rule, pad_id=pad_id, vocab=vocab,
+                           draft_is_logits=draft_logits is not None)
+  if mesh is None:
+    return body(named, axis_name=None)
+  check_divisible(name, target_name, vocab, mesh.shape[vocab_axis], vocab_axis)
+  return over_vocab(body, mesh, vocab_axis, named, rows=("target", "draft"),
+                    out_specs=PackedVerifyResult(*(P(),) * 6))
 
 
-def packed_rows(draft_token_ids, num_draft_tokens, target, draft, bonus_token_ids, uniforms,
-                params, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id: int,
-                draft_is_logits: bool = False, axis_name: str | None = None
-                ) -> PackedVerifyResult:
-  """The body of :func:`packed_verify` (traced; ``axis_name``: vocab-parallel rows).
+def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id: int,
+                vocab: int, draft_is_logits: bool = False,
+                axis_name: str | None = None) -> PackedVerifyResult:
+  """The traced body of :func:`packed_verify` (``axis_name``: rows split over the vocabulary).
 
-  ``params`` is None for processed probabilities, else the logits are processed per row.
+  ``named["params"]`` is None for processed probabilities, else the logits are processed per
+  row with their request's parameters (over the shards, with ``axis_name``).
   """
-  batch, total = num_draft_tokens.shape[0], draft_token_ids.shape[0]
-  vocab = target.shape[1]
-  counts = jnp.asarray(num_draft_tokens)
+  draft_token_ids, counts = named["draft_token_ids"], jnp.asarray(named["num_draft_tokens"])
+  target, draft, params = named["target"], named["draft"], named["params"]
+  batch, total = counts.shape[0], draft_token_ids.shape[0]
   bad_count = (counts < 0) | (counts > max_spec_len)
   counts = jnp.clip(counts, 0, max_spec_len).astype(jnp.int32)
   starts = jnp.cumsum(counts) - counts
@@ -374,30 +318,26 @@ def packed_rows(draft_token_ids, num_draft_tokens, target, draft, bonus_token_id
 
   if params is not None:  # logits: each row processed with its request's parameters
     row_counts = counts + 1 if bonus_rows else counts
-    target = process_rows(target, _per_row(params, row_owners(row_counts, target.shape[0])))
+    owners = row_owners(row_counts, target.shape[0])
+    target = process(target, rows_params(params, owners), axis_name)
     if draft is not None and draft_is_logits:
-      draft = process_rows(draft, _per_row(params, row_owners(counts, draft.shape[0])))
+      draft = process(draft, rows_params(params, row_owners(counts, draft.shape[0])), axis_name)
     error = error | jnp.broadcast_to(params_error(params), (batch,))
 
   positions = jnp.arange(max_spec_len, dtype=jnp.int32)
   slots = jnp.clip(starts[:, None] + positions[None, :], 0, max(total - 1, 0))
   drafts = draft_token_ids[slots] if total else jnp.zeros((batch, max_spec_len), jnp.int32)
-  body = PACKED_RULES[rule]
+  rule_rows = CHAIN_RULES[rule]
 
   def one(ids, u, n, p_offset, q_offset, bonus):
-    return body(target, draft, ids, u, n, pad_id=pad_id, vocab=vocab * _devices(axis_name),
-                axis_name=axis_name, p_offset=p_offset, q_offset=q_offset, bonus_token=bonus)
+    return rule_rows(target, draft, ids, u, n, pad_id=pad_id, vocab=vocab, axis_name=axis_name,
+                     p_offset=p_offset, q_offset=q_offset, bonus_token=bonus)
 
-  bonus = None if bonus_token_ids is None else bonus_token_ids
+  bonus = named["bonus_token_ids"]
   result = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None if bonus is None else 0))(
-    drafts, uniforms, counts, p_offsets, starts, bonus)
+    drafts, named["uniforms"], counts, p_offsets, starts, bonus)
   error = result.error | error
-  return PackedVerifyResult(tokens=result.tokens, num_tokens=result.num_tokens,
-                            num_accepted=result.num_accepted, valid=error == 0, error=error)
-
-
-def _devices(axis_name: str | None) -> int:
-  return 1 if axis_name is None else jax.lax.axis_size(axis_name)
+  return PackedVerifyResult(*result[:4], valid=error == 0, error=error)
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots",))
@@ -419,7 +359,8 @@ def flat_tokens(result: PackedVerifyResult, num_draft_tokens, *, num_slots: int)
   Example:
     >>> import jax.numpy as jnp
     >>> r = PackedVerifyResult(jnp.array([[5, 7, -1], [9, -1, -1]]), jnp.array([2, 1]),
-    ...                        jnp.array([1, 0]), jnp.array([True, True]), jnp.array([0, 0]))
+    ...                        jnp.array([1, 0]), jnp.array([2, 1]), jnp.array([True, True]),
+    ...                        jnp.array([0, 0]))
     >>> flat_tokens(r, jnp.array([1, 0]), num_slots=2).tolist()   # 7 is request 0's bonus
     [5, -1, 7, 9]
   """
@@ -439,4 +380,4 @@ def flat_tokens(result: PackedVerifyResult, num_draft_tokens, *, num_slots: int)
   return jnp.concatenate([out, bonus.astype(jnp.int32)])
 
 
-__all__ = ["CONVENTIONS", "PackedVerifyResult", "engine_params", "flat_tokens", "packed_verify"]
+__all__ = ["PackedVerifyResult", "flat_tokens", "packed_verify"]

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from specdec_jax._checks import FLOAT
 from specdec_jax._checks import INT
@@ -28,36 +30,51 @@ from specdec_jax._checks import check_array
 from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
+from specdec_jax._engine import engine_params
+from specdec_jax._engine import process
+from specdec_jax._keys import draw_uniforms
+from specdec_jax._keys import one_source
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
-from specdec_jax._logits import process_rows
-from specdec_jax._packed import engine_params
-from specdec_jax._tree import LAWS
-from specdec_jax._tree import UNIFORM_LAYOUTS
-from specdec_jax._tree import tree_rows
+from specdec_jax._mesh import check_divisible
+from specdec_jax._mesh import over_vocab
+from specdec_jax._rules import LAWS
+from specdec_jax._rules import TREE_RULE
+from specdec_jax._rules import UNIFORM_LAYOUTS
 
 
-class PackedTreeResult(NamedTuple):
+class PackedTreeVerifyResult(NamedTuple):
   """What :func:`packed_tree_verify` produced for ``B`` trees.
+
+  The first six fields are those of every result (:class:`~specdec_jax.VerifyResult`).
 
   Attributes:
     tokens: int32 ``(B, max_depth + 1)``: the accepted path's tokens, then the final token
       (replacement or bonus), then ``pad_id``.
-    accept_index: int32 ``(B, max_depth + 1)``: sglang's ``accept_index``, the flat rows
-      ``b * N + u`` of the root and then of the accepted nodes, ``-1`` after.
-    num_accepted: int32 ``(B,)`` accepted draft tokens (sglang's ``accept_length``).
     num_tokens: int32 ``(B,)`` new tokens, ``num_accepted + 1``.
+    num_accepted: int32 ``(B,)`` accepted draft tokens (sglang's ``accept_length``).
+    num_uniforms: int32 ``(B,)`` coins read as fresh uniforms (tests plus the final sample;
+      under ``"per_parent"`` a parent's coin is rescaled after each rejection, not re-read).
     valid: bool ``(B,)``.
     error: int32 ``(B,)`` :class:`~specdec_jax.ErrorCode` bits.
+    path: int32 ``(B, max_depth + 1)``: the accepted nodes (tree indices ``u``), then ``-1``.
+    accept_index: int32 ``(B, max_depth + 1)``: sglang's ``accept_index``, the flat rows
+      ``b * N + u`` of the root and then of the accepted nodes, ``-1`` after.
   """
 
   tokens: jax.Array
-  accept_index: jax.Array
-  num_accepted: jax.Array
   num_tokens: jax.Array
+  num_accepted: jax.Array
+  num_uniforms: jax.Array
   valid: jax.Array
   error: jax.Array
+  path: jax.Array
+  accept_index: jax.Array
+
+
+#: The name of earlier versions, kept as an alias.
+PackedTreeResult = PackedTreeVerifyResult
 
 
 def parents_from_links(first_child: jax.Array, next_sibling: jax.Array) -> jax.Array:
@@ -92,15 +109,21 @@ def parents_from_links(first_child: jax.Array, next_sibling: jax.Array) -> jax.A
 
 TREE_PACKED_ARRAYS = {"candidates": INT, "retrive_next_token": INT,
                       "retrive_next_sibling": INT, "target_probs": FLOAT, "target_logits": FLOAT,
-                      "draft_probs": FLOAT, "coins": FLOAT, "key": KEY}
+                      "draft_probs": FLOAT, "draft_logits": FLOAT, "uniforms": FLOAT,
+                      "coins": FLOAT, "key": KEY}
 
 
-def packed_tree_verify(candidates, retrive_next_token, retrive_next_sibling, *,
-                       max_depth: int, target_probs=None, target_logits=None,
-                       draft_probs=None, params: SamplingParams | None = None,
-                       law: str = "deterministic", coins=None, key=None,
-                       uniform_layout: str = "per_parent", convention: str = "specdec",
-                       pad_id: int = -1) -> PackedTreeResult:
+def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
+                       retrive_next_sibling: ArrayLike, *, max_depth: int,
+                       target_probs: ArrayLike | None = None,
+                       target_logits: ArrayLike | None = None,
+                       draft_probs: ArrayLike | None = None,
+                       draft_logits: ArrayLike | None = None,
+                       params: SamplingParams | None = None, law: str = "deterministic",
+                       key: ArrayLike | None = None, uniforms: ArrayLike | None = None,
+                       coins: ArrayLike | None = None, uniform_layout: str = "per_parent",
+                       convention: str = "specdec",
+                       pad_id: int = -1) -> PackedTreeVerifyResult:
   """Exact tree verification of ``B`` draft trees in sglang-jax's encoding (jitted).
 
   Each tree is verified by :func:`~specdec_jax.tree_verify` (recursive rejection sampling)
@@ -110,9 +133,13 @@ def packed_tree_verify(candidates, retrive_next_token, retrive_next_sibling, *,
   greedy and sampled requests go through the same call (from logits, greedy rows are point
   masses on the argmax). ``"iid"`` / ``"without_replacement"`` read ``draft_probs``.
 
-  Multi-host: a global array that spans several processes (``jax.distributed``) is
-  accepted and never read on the host; its values are checked under ``jit`` and flagged in
-  ``error``.
+  Defaults differ from :func:`~specdec_jax.tree_verify` (``law="iid"``, ``"sequential"``) on
+  purpose: this layout is sglang-jax's, whose drafts are EAGLE-2 top-k trees (deterministic,
+  no draft probabilities) and whose coins are one per parent; the defaults reproduce its
+  decisions coin for coin.
+
+  Multi-host: see the README, "Running on many devices and hosts". Vocabulary-sharded rows:
+  :func:`~specdec_jax.vocab_parallel_packed_tree_verify` (the same call over a mesh).
 
   Args:
     candidates: ``(B, N)`` int token ids, node 0 the root (ignored).
@@ -123,25 +150,28 @@ def packed_tree_verify(candidates, retrive_next_token, retrive_next_sibling, *,
       draft levels); the output has ``max_depth + 1`` columns.
     target_probs: ``(B * N, V)`` processed target rows, row ``b * N + u`` for node ``u``, or
     target_logits: the same as logits, processed with ``params``.
-    draft_probs: ``(B * N, V)`` draft laws for ``"iid"`` / ``"without_replacement"``.
+    draft_probs: ``(B * N, V)`` draft laws for ``"iid"`` / ``"without_replacement"``, or
+    draft_logits: the same as logits, processed with ``params`` (as the target's).
     params: :class:`SamplingParams` with scalar or ``(B,)`` fields (``target_logits`` only).
     law: static, one of ``"deterministic"`` (default), ``"iid"``, ``"without_replacement"``.
-    coins: ``(B, N)`` uniforms, read as ``uniform_layout`` says, or
-    key: one ``jax.random`` key (``coins = uniform(key, (B, N))``).
+    uniforms: ``(B, N)`` uniforms ("coins"), read as ``uniform_layout`` says, or
+    key: one ``jax.random`` key (``uniforms = uniform(key, (B, N))``) or ``B`` keys, one per
+      request (``uniform(key_i, (N,))``: results independent of the batch).
+    coins: the old name of ``uniforms`` (sglang's word), accepted as an alias.
     uniform_layout: static, ``"per_parent"`` (sglang, default), ``"per_node"`` or
       ``"sequential"`` (see :func:`~specdec_jax.tree_verify`).
     convention: static, how ``params`` writes greedy / disabled (:func:`engine_params`).
     pad_id: static int for unused token slots.
 
   Returns:
-    :class:`PackedTreeResult`.
+    :class:`PackedTreeVerifyResult`.
 
   Example:
     >>> import jax.numpy as jnp
     >>> p = jnp.array([[0.1, 0.6, 0.3], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
     >>> r = packed_tree_verify(jnp.array([[0, 2, 1]]), jnp.array([[1, -1, -1]]),
     ...                        jnp.array([[-1, 2, -1]]), max_depth=1, target_probs=p,
-    ...                        coins=jnp.array([[0.5, 0.0, 0.9]]))
+    ...                        uniforms=jnp.array([[0.5, 0.0, 0.9]]))
     >>> # Root coin 0.5: child 1 (token 2, p = 0.3) rejected, the coin rescaled to 0.2/0.7 <
     >>> # r(1) = 0.6/0.7 accepts child 2 (token 1); node 2 is a leaf: bonus from its row.
     >>> r.tokens.tolist(), r.accept_index.tolist()
@@ -151,27 +181,46 @@ def packed_tree_verify(candidates, retrive_next_token, retrive_next_sibling, *,
     Miao et al., "SpecInfer", arXiv:2305.09781; Li et al., "EAGLE-2", arXiv:2406.16858;
     sgl-project/sglang-jax ``speculative/eagle_util.py`` (the encoding and the coins).
   """
-  name = "packed_tree_verify"
+  return packed_tree_call("packed_tree_verify", None, None, candidates, retrive_next_token,
+                          retrive_next_sibling, max_depth=max_depth, target_probs=target_probs,
+                          target_logits=target_logits, draft_probs=draft_probs,
+                          draft_logits=draft_logits, params=params, law=law, key=key,
+                          uniforms=uniforms, coins=coins, uniform_layout=uniform_layout,
+                          convention=convention, pad_id=pad_id)
+
+
+def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
+                     retrive_next_sibling, *, max_depth, target_probs, target_logits,
+                     draft_probs, draft_logits, params, law, key, uniforms, coins,
+                     uniform_layout, convention, pad_id,
+                     lower=False) -> PackedTreeVerifyResult:
+  """Host-side checks and conversion, then the jitted packed-tree body (over ``mesh``)."""
+  if coins is not None and uniforms is not None:
+    raise ValueError(f"{name}: `coins` is another name of `uniforms`; pass one of them.")
+  uniforms = coins if uniforms is None else uniforms
   args = dict(candidates=candidates, retrive_next_token=retrive_next_token,
               retrive_next_sibling=retrive_next_sibling, target_probs=target_probs,
-              target_logits=target_logits, draft_probs=draft_probs, coins=coins, key=key)
+              target_logits=target_logits, draft_probs=draft_probs, draft_logits=draft_logits,
+              uniforms=uniforms, key=key)
   args = {k: host_array(name, k, v, TREE_PACKED_ARRAYS[k]) for k, v in args.items()}
   max_depth = check_static_int(name, "max_depth", max_depth, 0)
   if (args["target_probs"] is None) == (args["target_logits"] is None):
     raise ValueError(f"{name}: pass exactly one of `target_probs` and `target_logits`.")
-  if (coins is None) == (key is None):
-    raise ValueError(f"{name}: pass exactly one of `coins` and `key`.")
+  if args["draft_probs"] is not None and args["draft_logits"] is not None:
+    raise ValueError(f"{name}: pass at most one of `draft_probs` and `draft_logits`.")
+  one_source(name, key, uniforms)
   if law not in LAWS:
     raise ValueError(f"{name}: `law` must be one of {LAWS}, got {law!r} instead.")
   if uniform_layout not in UNIFORM_LAYOUTS:
     raise ValueError(f"{name}: `uniform_layout` must be one of {UNIFORM_LAYOUTS}, got "
                      f"{uniform_layout!r} instead.")
-  if (law == "deterministic") != (args["draft_probs"] is None):
-    raise ValueError(f"{name}: `draft_probs` is read under law 'iid' and "
-                     f"'without_replacement' and only there; got law={law!r} and draft_probs "
-                     f"{'None' if args['draft_probs'] is None else 'given'}.")
-  if params is not None and args["target_logits"] is None:
-    raise ValueError(f"{name}: `params` apply to logits; pass `target_logits`.")
+  has_draft = args["draft_probs"] is not None or args["draft_logits"] is not None
+  if (law == "deterministic") == has_draft:
+    raise ValueError(f"{name}: draft rows (`draft_probs` or `draft_logits`) are read under law "
+                     f"'iid' and 'without_replacement' and only there; got law={law!r} and "
+                     f"{'draft rows' if has_draft else 'none'}.")
+  if (params is not None or args["draft_logits"] is not None) and args["target_logits"] is None:
+    raise ValueError(f"{name}: `params` and `draft_logits` go with logits; pass `target_logits`.")
   for arg in ("candidates", "retrive_next_token", "retrive_next_sibling"):
     check_array(name, arg, args[arg], 2, INT, batch_hint=False)
   shape = args["candidates"].shape
@@ -184,53 +233,80 @@ def packed_tree_verify(candidates, retrive_next_token, retrive_next_sibling, *,
     check_params(params, name, batch=shape[0], host_only=True)
   elif args["target_logits"] is not None:
     params = SamplingParams()
-  return _tree_jit(**args, params=params, max_depth=max_depth, law=law,
-                   uniform_layout=uniform_layout, pad_id=pad_id)
+  run = packed_tree_jit.lower if lower else packed_tree_jit
+  return run(**args, params=params, max_depth=max_depth, law=law,
+                   uniform_layout=uniform_layout, pad_id=pad_id, name=name, mesh=mesh,
+                   vocab_axis=vocab_axis)
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "law", "uniform_layout", "pad_id"))
-def _tree_jit(candidates, retrive_next_token, retrive_next_sibling, target_probs, target_logits,
-              draft_probs, coins, key, params, *, max_depth, law, uniform_layout, pad_id):
-  name = "packed_tree_verify"
+@functools.partial(jax.jit, static_argnames=("max_depth", "law", "uniform_layout", "pad_id",
+                                             "name", "mesh", "vocab_axis"))
+def packed_tree_jit(candidates, retrive_next_token, retrive_next_sibling, target_probs,
+                    target_logits, draft_probs, draft_logits, uniforms, key, params, *, max_depth,
+                    law, uniform_layout, pad_id, name="packed_tree_verify", mesh=None,
+                    vocab_axis=None):
   batch, size = candidates.shape
   target = target_probs if target_logits is None else target_logits
-  check_array(name, "target_logits" if target_probs is None else "target_probs", target, 2,
-              FLOAT, batch_hint=False)
+  draft = draft_probs if draft_logits is None else draft_logits
+  target_name = "target_logits" if target_probs is None else "target_probs"
+  check_array(name, target_name, target, 2, FLOAT, batch_hint=False)
   if target.shape[0] != batch * size:
     raise ValueError(f"{name}: the target rows must have shape (B * N, V) = ({batch * size}, V), "
                      f"got {tuple(target.shape)} instead.")
-  if draft_probs is not None and draft_probs.shape != target.shape:
-    raise ValueError(f"{name}: `draft_probs` must have the shape of the target rows "
-                     f"{tuple(target.shape)}, got {tuple(draft_probs.shape)} instead.")
-  vocab = target.shape[1]
+  if draft is not None and draft.shape != target.shape:
+    draft_name = "draft_probs" if draft_logits is None else "draft_logits"
+    raise ValueError(f"{name}: `{draft_name}` must have the shape of the target rows "
+                     f"{tuple(target.shape)}, got {tuple(draft.shape)} instead.")
+  if uniforms is None:
+    dtypes = [target.dtype] + ([] if draft is None else [draft.dtype])
+    uniforms = draw_uniforms(name, key, batch, size, compute_dtype(*dtypes))
+  elif uniforms.shape != (batch, size):
+    raise ValueError(f"{name}: `uniforms` must have shape (B, N) = ({batch}, {size}), got "
+                     f"{tuple(uniforms.shape)} instead.")
+  named = dict(candidates=candidates, retrive_next_token=retrive_next_token,
+               retrive_next_sibling=retrive_next_sibling, target=target, draft=draft,
+               uniforms=uniforms, params=params)
+  body = functools.partial(packed_tree_body, max_depth=max_depth, law=law,
+                           uniform_layout=uniform_layout, pad_id=pad_id,
+                           vocab=target.shape[1], draft_is_logits=draft_logits is not None)
+  if mesh is None:
+    return body(named, axis_name=None)
+  check_divisible(name, target_name, target.shape[1], mesh.shape[vocab_axis], vocab_axis)
+  return over_vocab(body, mesh, vocab_axis, named, rows=("target", "draft"),
+                    out_specs=PackedTreeVerifyResult(*(P(),) * 8))
+
+
+def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
+                     draft_is_logits=False, axis_name=None) -> PackedTreeVerifyResult:
+  """The traced body of :func:`packed_tree_verify` (``axis_name``: vocabulary-split rows)."""
+  candidates, target, draft = named["candidates"], named["target"], named["draft"]
+  batch, size = candidates.shape
   error = jnp.zeros((batch,), jnp.int32)
+  params = named["params"]
   if params is not None:
     owners = jnp.arange(batch * size, dtype=jnp.int32) // size
     rows = SamplingParams(*(None if v is None else (
       jnp.broadcast_to(jnp.asarray(v), (batch,))[owners]) for v in params))
-    target = process_rows(target, rows)
+    target = process(target, rows, axis_name)
+    if draft is not None and draft_is_logits:
+      draft = process(draft, rows, axis_name)
     error = error | jnp.broadcast_to(params_error(params), (batch,))
-  if coins is None:
-    dtypes = [target.dtype] + ([] if draft_probs is None else [draft_probs.dtype])
-    coins = jax.random.uniform(key, (batch, size), dtype=compute_dtype(*dtypes))
-  elif coins.shape != (batch, size):
-    raise ValueError(f"{name}: `coins` must have shape (B, N) = ({batch}, {size}), got "
-                     f"{tuple(coins.shape)} instead.")
-  parents = jax.vmap(parents_from_links)(retrive_next_token, retrive_next_sibling)
+  parents = jax.vmap(parents_from_links)(named["retrive_next_token"],
+                                         named["retrive_next_sibling"])
 
   def one(parents, tokens, uniforms, offset):
-    return tree_rows(target, draft_probs, parents, tokens, uniforms, None, law=law,
-                     pad_id=pad_id, max_depth=max_depth, uniform_layout=uniform_layout,
-                     vocab=vocab, offset=offset)
+    return TREE_RULE(target, draft, parents, tokens, uniforms, None, law=law, pad_id=pad_id,
+                     max_depth=max_depth, uniform_layout=uniform_layout, vocab=vocab,
+                     axis_name=axis_name, offset=offset)
 
   offsets = jnp.arange(batch, dtype=jnp.int32) * size
-  result = jax.vmap(one)(parents, candidates, coins, offsets)
+  result = jax.vmap(one)(parents, candidates, named["uniforms"], offsets)
   accepted_rows = jnp.where(result.path >= 0, offsets[:, None] + result.path, -1)
   accept_index = jnp.concatenate([offsets[:, None], accepted_rows[:, :-1]], axis=1)
   error = result.error | error
-  return PackedTreeResult(tokens=result.tokens, accept_index=accept_index,
-                          num_accepted=result.num_accepted, num_tokens=result.num_tokens,
-                          valid=error == 0, error=error)
+  return PackedTreeVerifyResult(*result[:4], valid=error == 0, error=error, path=result.path,
+                                accept_index=accept_index)
 
 
-__all__ = ["PackedTreeResult", "packed_tree_verify", "parents_from_links"]
+__all__ = ["PackedTreeResult", "PackedTreeVerifyResult", "packed_tree_verify",
+           "parents_from_links"]

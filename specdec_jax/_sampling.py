@@ -104,7 +104,7 @@ def sample_index(weights: jax.Array, u: jax.Array) -> jax.Array:
   """Inverse-CDF sample from unnormalised ``weights`` with one uniform ``u`` (jitted).
 
   Returns the smallest ``k`` with ``u * total < cumsum(weights)[k]``, where
-  ``total`` is the sum of the weights: SPEC.md's ``u < cumsum(probs)[k]`` with
+  ``total`` is the sum of the weights: the inverse CDF ``u < cumsum(probs)[k]`` with
   ``probs = weights / total``, without dividing the row. If rounding leaves
   ``u * total`` at or above every cumulative sum (or ``u`` is not in ``[0, 1)``),
   the largest index with positive weight is returned. Entries that are NaN or
@@ -131,7 +131,7 @@ def sample_index(weights: jax.Array, u: jax.Array) -> jax.Array:
     3
 
   Reference:
-    SPEC.md, "Sampling"; the inverse transform method (Devroye 1986, Section 2.1).
+    The inverse transform method (Devroye 1986, Section 2.1).
   """
   check_array("sample_index", "weights", weights, 1, FLOAT)
   check_array("sample_index", "u", u, 0, FLOAT, batch_hint=True)

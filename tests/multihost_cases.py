@@ -68,8 +68,8 @@ def run_cases(mesh, put: Callable[[np.ndarray, P], jax.Array]) -> dict[str, Any]
     bonus_rows=True)
   fn = sd.vocab_parallel_packed_verify(mesh, "model", max_spec_len=GAMMA)
   out["vocab-parallel packed_verify"] = fn(
-    put(flat, P()), put(num_draft, P()), put(target_rows, P(None, "model")), put(uniforms, P()),
-    draft_probs=put(draft_rows, P(None, "model")))
+    put(flat, P()), put(num_draft, P()), target_probs=put(target_rows, P(None, "model")),
+    uniforms=put(uniforms, P()), draft_probs=put(draft_rows, P(None, "model")))
 
   # 3b. Tree verification: batch-sharded tree_verify, vocab-parallel, and sglang's packed trees.
   parents = np.array([-1, 0, 0, 1], np.int32)

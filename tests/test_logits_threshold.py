@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 import specdec_jax._threshold as threshold
 from specdec_jax import SamplingParams
 from specdec_jax import process_logits
-from specdec_jax._logits import _process_row
+from specdec_jax._process import process_row
 from specdec_jax._threshold import first_true
 from specdec_jax._threshold import order_key
 from specdec_jax._threshold import top_k_mask
 from specdec_jax._threshold import top_p_mask
-from specdec_jax.app.baselines import sorted_process_row
+from tests._baselines import sorted_process_row
 
 TINY = float(np.finfo(np.float32).tiny)
 
@@ -29,7 +29,7 @@ def batched(row_fn):
   return jax.jit(jax.vmap(lambda x, t, k, p: row_fn(x, SamplingParams(t, k, p))))
 
 
-OLD, NEW = batched(sorted_process_row), batched(_process_row)
+OLD, NEW = batched(sorted_process_row), batched(process_row)
 
 
 def near_top_p(logits, temperature, top_k, top_p):
@@ -160,7 +160,7 @@ def test_wider_passes_give_the_same_masks(monkeypatch, ways):
   x[0, ::2] = -np.inf
   args = (jnp.asarray(x), jnp.ones(4, jnp.float32), jnp.asarray([0, 7, 150, 299], jnp.int32),
           jnp.asarray([0.5, 1.0, 0.9, 0.2], jnp.float32))
-  new = batched(_process_row)(*args)  # traced after the patch
+  new = batched(process_row)(*args)  # traced after the patch
   np.testing.assert_allclose(np.asarray(new), np.asarray(OLD(*args)), rtol=1e-6, atol=1e-6)
 
 

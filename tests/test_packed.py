@@ -330,9 +330,9 @@ def test_no_padded_copy_in_the_compiled_program():
   n = np.array([1, 0, 2, 1] * 4, np.int32)  # T = 16 draft rows, T + B = 32 target rows
   total = int(n.sum())
   args = dict(max_spec_len=spec, bonus_rows=True, rule="token", pad_id=-1)
-  from specdec_jax._packed import _packed_jit
+  from specdec_jax._packed import packed_jit
 
-  lowered = _packed_jit.lower(
+  lowered = packed_jit.lower(
     np.zeros(total, np.int32), n, np.zeros((total + batch, vocab), np.float32), None,
     np.zeros((total, vocab), np.float32), None, None, None,
     np.zeros((batch, spec + 1), np.float32), None, **args)
@@ -352,7 +352,8 @@ def test_vocab_parallel_packed_agrees_with_single_device(rule, bonus):
     target = pack["drafts_only"] if bonus else pack["interleaved"]
     fn = vocab_parallel_packed_verify(mesh, "model", max_spec_len=4, bonus_rows=not bonus,
                                       rule=rule)
-    got = fn(pack["ids"], n, target, u, pack["q"], ids)
+    got = fn(pack["ids"], n, target_probs=target, uniforms=u, draft_probs=pack["q"],
+             bonus_token_ids=ids)
     want = packed_verify(pack["ids"], n, max_spec_len=4, target_probs=target, rule=rule,
                          draft_probs=pack["q"], bonus_token_ids=ids, uniforms=u)
     for field in ("num_accepted", "valid", "error"):

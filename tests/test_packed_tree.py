@@ -195,12 +195,12 @@ def test_negative_control_top_k_drafts_verified_as_iid_fails():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-  (dict(coins=None), "exactly one of `coins` and `key`"),
-  (dict(law="iid"), "`draft_probs` is read under law 'iid'"),
+  (dict(coins=None), "exactly one of `key` and `uniforms`"),
+  (dict(law="iid"), r"draft rows \(`draft_probs` or `draft_logits`\) are read under law 'iid'"),
   (dict(uniform_layout="per_row"), "`uniform_layout` must be one of"),
   (dict(target_probs=np.full((5, 4), 0.25, np.float32)), r"\(B \* N, V\) = \(6, V\)"),
   (dict(retrive_next_sibling=np.full((2, 2), -1)), "must have the shape of `candidates`"),
-  (dict(params=SamplingParams(0.5)), "`params` apply to logits"),
+  (dict(params=SamplingParams(0.5)), "`params` and `draft_logits` go with logits"),
 ])
 def test_bad_input_is_a_clear_error(kwargs, message):
   args = dict(candidates=np.zeros((2, 3), np.int32), retrive_next_token=np.full((2, 3), -1),

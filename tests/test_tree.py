@@ -523,6 +523,28 @@ def test_empty_residual_falls_back_to_p_not_q(u):
   assert bool(r.valid)
 
 
+@pytest.mark.parametrize("u", [0.2, 0.45, 0.6, 0.9])
+def test_fallback_restores_the_target_weight_of_a_rejected_token(u):
+  """After an empty residual the walk falls back to ``p[u]`` *whole*: a token rejected earlier
+  at that node gets its target weight back (it was frozen at its residual weight).
+
+  ``p[0] = [.5, 0, .25, .25]``, ``q[0] = [.75, 0, .125, .125]``, children with tokens 0 and 1
+  drawn without replacement. Coin 0.9 rejects token 0 (accepted with 2/3); the residual is then
+  ``[0, 0, .5, .5]``, which is ``q`` without token 0, renormalised: token 1 (q = p = 0) is
+  rejected and ``max(r - q_j, 0)`` is exactly 0. The final token comes from ``p[0]``: token 0
+  for a final uniform below 0.5, else 2 or 3.
+  """
+  p = np.array([[0.5, 0.0, 0.25, 0.25], [0.25] * 4, [0.25] * 4], np.float32)
+  q = np.array([[0.75, 0.0, 0.125, 0.125], [0.25] * 4, [0.25] * 4], np.float32)
+  parents, tokens = np.array([-1, 0, 0], np.int32), np.array([0, 0, 1], np.int32)
+  r = tree_verify(p, q, parents, tokens, np.array([0.9, 0.3, u], np.float32),
+                  law="without_replacement")
+  want = 0 if u < 0.5 else (2 if u < 0.75 else 3)
+  assert (int(r.num_accepted), int(r.num_uniforms)) == (0, 3)
+  assert r.tokens.tolist() == [want, -1, -1]
+  assert bool(r.valid)
+
+
 def test_bad_q_row_flagged_only_when_read():
   result = _bad(q=((0, 0), np.nan))
   assert int(result.error) & ErrorCode.NONFINITE.value

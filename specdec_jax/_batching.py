@@ -1,4 +1,4 @@
-"""One batching rule for every verifier: per-sequence row reads, streamed like a memcpy on CPU.
+"""The batching rule of every verifier: per-sequence row reads, streamed like a memcpy on CPU.
 
 A verifier written for one sequence reads a few rows of its ``(rows, V)`` arrays by a traced
 index (the stop row, the rows a block or tree walk visits). Under ``jax.vmap`` JAX turns
@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-#: ``read(row, start, size) -> (size,)``: a slice of one row of one sequence's array.
-Reader = Callable[[jax.Array, jax.Array, int], jax.Array]
+from specdec_jax._rows import reader
 
 
 def explicitly_sharded_batch(x) -> bool:
@@ -50,49 +49,6 @@ def anchored(tree, *refs):
   """
   zero = sum(jnp.zeros_like(jnp.ravel(r)[0], jnp.int32) for r in refs if jnp.size(r))
   return jax.tree.map(lambda leaf: leaf + zero.astype(leaf.dtype), tree)
-
-
-def reader(array: jax.Array, batch_index: jax.Array | None = None) -> Reader:
-  """A :data:`Reader` of ``array`` (``(R, V)``, or ``(B, R, V)`` with ``batch_index``).
-
-  An array without rows (``q`` when ``gamma == 0``) reads as zeros.
-  """
-  if array.shape[-2] == 0:
-    return lambda row, start, size: jnp.zeros((size,), array.dtype)
-
-  def read(row, start, size: int) -> jax.Array:
-    row = jnp.asarray(row, jnp.int32)
-    start = jnp.asarray(start, jnp.int32)
-    if batch_index is None:
-      return lax.dynamic_slice(array, (row, start), (1, size))[0]
-    index = jnp.asarray(batch_index, jnp.int32)
-    return lax.dynamic_slice(array, (index, row, start), (1, 1, size))[0, 0]
-
-  return read
-
-
-def shifted(read: Reader, offset) -> Reader:
-  """``read`` of the rows ``offset, offset + 1, ...``: one sequence's rows in a packed array.
-
-  Rows past the array are clipped by ``dynamic_slice`` (a verifier never uses them).
-  """
-  return lambda row, start, size: read(offset + row, start, size)
-
-
-def point_reader(ids: jax.Array, first_column=0, dtype=jnp.float32) -> Reader:
-  """A :data:`Reader` of the one-hot rows ``row -> e_{ids[row]}``, computed, never stored.
-
-  Point-mass drafts (n-gram, prompt lookup, greedy drafters) have ``q[i] = e_{draft[i]}``;
-  ``first_column`` is the global id of the first column read (vocab-parallel slices).
-  """
-  if ids.shape[0] == 0:
-    return lambda row, start, size: jnp.zeros((size,), dtype)
-
-  def read(row, start, size: int) -> jax.Array:
-    columns = first_column + start + jnp.arange(size, dtype=jnp.int32)
-    return (columns == ids[row]).astype(dtype)
-
-  return read
 
 
 def branch(looped: bool, pred, true_fn: Callable, false_fn: Callable):

@@ -1,0 +1,136 @@
+"""Logits to probabilities for one row or a batch of rows: the traced body of ``process_logits``.
+
+Temperature (:func:`scaled_logits`), then the sort-free top-k and top-p masks of
+:mod:`specdec_jax._threshold`, then a softmax; greedy rows are a point mass on the argmax. Every
+function here also runs vocabulary-parallel (``axis_name``, inside ``jax.shard_map``), moving
+only a few scalars per row between devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specdec_jax._checks import compute_dtype
+from specdec_jax._threshold import any_if
+from specdec_jax._threshold import first_column
+from specdec_jax._threshold import full_vocab
+from specdec_jax._threshold import reduce_if
+from specdec_jax._threshold import softmax
+from specdec_jax._threshold import top_k_mask
+from specdec_jax._threshold import top_p_mask
+
+if TYPE_CHECKING:
+  from specdec_jax._logits import SamplingParams
+
+
+def scaled_logits(logits: jax.Array, temperature,
+                  axis_name: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(z, greedy, broken)`` for one row: the temperature-scaled logits and two flags.
+
+  ``z = (x - max(x)) / T`` over the finite logits (``-inf`` stays ``-inf``): every entry is
+  ``<= 0`` and the largest is 0, so no positive temperature, however small or large, can
+  turn a row into NaN (a tiny ``T`` sends the others to ``-inf``, i.e. probability 0).
+  ``greedy`` is ``~(T > 0)`` (0, negative or NaN). ``broken`` marks a row the model got
+  wrong: a NaN or ``+inf`` logit, or no finite logit at all. With ``axis_name`` (the row split
+  over that mesh axis), ``logits`` and ``z`` are this device's slice; the max and the flags are
+  those of the full row (``pmax``).
+  """
+  dtype = compute_dtype(logits.dtype)
+  x = logits.astype(dtype)
+  temperature = jnp.asarray(temperature, dtype)
+  greedy = ~(temperature > 0)
+  finite = jnp.isfinite(x)
+  bad = any_if(jnp.any(jnp.isnan(x) | (x == jnp.inf)), axis_name)
+  broken = bad | ~any_if(jnp.any(finite), axis_name)
+  top = reduce_if(lax.pmax, jnp.max(jnp.where(finite, x, -jnp.inf)), axis_name)
+  scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
+  z = jnp.where(finite, (x - jnp.where(broken, 0, top)) / scale, -jnp.inf)
+  return z, greedy, broken
+
+
+def _argmax_one_hot(logits: jax.Array, axis_name: str) -> jax.Array:
+  """This device's slice of ``one_hot(argmax(row))`` for a row split over ``axis_name``: the
+  global max by ``pmax``, then the lowest global id attaining it by ``pmin``."""
+  vocab = logits.shape[-1]
+  x = logits.astype(compute_dtype(logits.dtype))
+  local = jnp.argmax(x).astype(jnp.int32)
+  first = first_column(vocab, axis_name)
+  attains = x[local] == lax.pmax(jnp.max(x), axis_name)
+  winner = lax.pmin(jnp.where(attains, first + local, full_vocab(vocab, axis_name)), axis_name)
+  return jnp.arange(vocab, dtype=jnp.int32) + first == winner
+
+
+def process_row(logits: jax.Array, params: SamplingParams,
+                 axis_name: str | None = None) -> jax.Array:
+  """One row ``(V,)`` of logits to probabilities (float32 at least); with ``axis_name``, this
+  device's ``(V_local,)`` slice of the row split over that mesh axis (see :func:`process_rows`)."""
+  vocab = logits.shape[-1]
+  z, greedy, broken = scaled_logits(logits, params.temperature, axis_name)
+  dtype = z.dtype
+  neg_inf = jnp.full_like(z, -jnp.inf)
+
+  if params.top_k is not None:
+    z = jnp.where(top_k_mask(z, params.top_k, axis_name), z, neg_inf)
+  if params.top_p is not None:
+    top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
+    keep = top_p_mask(z, softmax(z, axis_name), top_p, axis_name)
+    z = jnp.where(keep | (top_p >= 1), z, neg_inf)
+
+  probs = softmax(z, axis_name)
+  if axis_name is None:
+    one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)
+  else:
+    one_hot = _argmax_one_hot(logits, axis_name).astype(dtype)
+  # A broken row is NaN at every temperature (greedy too), so whoever reads it flags it.
+  return jnp.where(broken, jnp.nan, jnp.where(greedy, one_hot, probs))
+
+
+def process_unchecked(logits: jax.Array, params: SamplingParams,
+                      axis_name: str | None = None) -> jax.Array:
+  """:func:`process_logits` without its checks, and without NaN rows for out-of-range
+  parameters: for callers that flag ``ErrorCode.BAD_PARAMS`` themselves (the verifiers from
+  logits, the decoding loops). ``axis_name``: as in :func:`process_rows`."""
+  row = functools.partial(process_row, axis_name=axis_name)
+  if logits.ndim == 1:
+    return row(logits, params)
+  return jax.vmap(row, in_axes=(0, None))(logits, params)
+
+
+def process_rows(logits: jax.Array, params: SamplingParams,
+                 axis_name: str | None = None) -> jax.Array:
+  """``(R, V)`` logits to probabilities with per-row parameters (fields ``(R,)`` or None).
+
+  The traced body of :func:`process_logits` for packed rows (no checks: the caller's).
+
+  Vocabulary-parallel: with ``axis_name``, call it inside ``jax.shard_map`` with the columns
+  split into contiguous equal blocks over that mesh axis (device ``i`` holds columns
+  ``[i * V_local, (i + 1) * V_local)``); it returns this device's slice of the unsharded result:
+  the same kept tokens (top-k ties by global id, greedy at the lowest global argmax, NaN rows),
+  probabilities equal up to the rounding of the normaliser, and top-p equal except where a
+  preceding mass is within rounding of ``top_p`` (see :func:`process_logits`). Only a few
+  scalars per row cross devices per pass (:mod:`specdec_jax._threshold`).
+
+  Args:
+    logits: ``(R, V)`` logits (``(R, V_local)`` with ``axis_name``).
+    params: :class:`SamplingParams` with fields ``(R,)`` or None (replicated when sharded).
+    axis_name: optional mesh axis the vocabulary is split over.
+
+  Returns:
+    ``(R, V)`` probabilities (``(R, V_local)``), float32 (float64 for float64 input).
+
+  Example:
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from specdec_jax import SamplingParams
+    >>> mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> fn = jax.shard_map(lambda x, p: process_rows(x, p, axis_name="model"), mesh=mesh,
+    ...                    in_specs=(P(None, "model"), P()), out_specs=P(None, "model"))
+    >>> params = SamplingParams(jnp.ones(1), jnp.array([2], jnp.int32))
+    >>> fn(jnp.array([[0.0, 1.0, 1.0, 0.5]]), params).round(3).tolist()
+    [[0.0, 0.5, 0.5, 0.0]]
+  """
+  return jax.vmap(functools.partial(process_row, axis_name=axis_name))(logits, params)

@@ -1,0 +1,156 @@
+"""Row sources: how every rule reads the rows of one sequence, wherever and however they are held.
+
+A rule (token-wise, block, tree) never indexes an array itself. It asks a *row source* for a
+slice of one row (``rows.slice(row, start, size)``, for the streamed passes and the final
+sample) or for single entries (``rows.entry(row, token)``, the gathered ``p(x)``, ``q(x)``).
+The source hides the layout:
+
+* padded rows of one sequence, or one sequence's rows inside a packed batch array (an
+  offset, :func:`shifted`), read in place;
+* point-mass drafts (``q[i] = e_{draft[i]}``, :class:`PointRows`): computed where read, never
+  stored;
+* a vocabulary shard (``axis_name``): the rows hold this device's ``V / n`` columns; an entry
+  is contributed by the device that holds it and summed over the mesh axis (one scalar).
+
+Inside :func:`~specdec_jax._batching.per_sequence` the raw readers come from the batching
+rule (a batch index on CPU, plain slices under ``vmap``); :class:`ArrayRows` wraps them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+#: ``read(row, start, size) -> (size,)``: a slice of one row of one sequence's array.
+Reader = Callable[[jax.Array, jax.Array, int], jax.Array]
+
+
+def reader(array: jax.Array, batch_index: jax.Array | None = None) -> Reader:
+  """A :data:`Reader` of ``array`` (``(R, V)``, or ``(B, R, V)`` with ``batch_index``).
+
+  An array without rows (``q`` when ``gamma == 0``) reads as zeros.
+  """
+  if array.shape[-2] == 0:
+    return lambda _row, _start, size: jnp.zeros((size,), array.dtype)
+
+  def read(row, start, size: int) -> jax.Array:
+    row = jnp.asarray(row, jnp.int32)
+    start = jnp.asarray(start, jnp.int32)
+    if batch_index is None:
+      return lax.dynamic_slice(array, (row, start), (1, size))[0]
+    index = jnp.asarray(batch_index, jnp.int32)
+    return lax.dynamic_slice(array, (index, row, start), (1, 1, size))[0, 0]
+
+  return read
+
+
+def shifted(read: Reader, offset) -> Reader:
+  """``read`` of the rows ``offset, offset + 1, ...``: one sequence's rows in a packed array.
+
+  Rows past the array are clipped by ``dynamic_slice`` (a rule never uses them).
+  """
+  return lambda row, start, size: read(offset + row, start, size)
+
+
+def first_column(local_vocab: int, axis_name: str | None) -> jax.Array:
+  """The global id of this device's first column (0 without ``axis_name``)."""
+  if axis_name is None:
+    return jnp.int32(0)
+  return lax.axis_index(axis_name).astype(jnp.int32) * local_vocab
+
+
+def sharded_entry(read_local: Callable[[jax.Array], jax.Array], token, local_vocab: int,
+                  axis_name: str | None, column=None) -> jax.Array:
+  """Entry ``token`` (a global id) of a row split over ``axis_name``, on every device.
+
+  ``read_local(local_ids)`` returns the row's values at local column indices (any shape). The
+  device that holds ``token`` contributes its value and a ``psum`` gives every device the
+  scalar: one number per entry crosses devices. Without ``axis_name`` it is a plain read.
+  """
+  token = jnp.asarray(token, jnp.int32)
+  if axis_name is None:
+    return read_local(token)
+  local = token - (first_column(local_vocab, axis_name) if column is None else column)
+  mine = (local >= 0) & (local < local_vocab)
+  value = read_local(jnp.clip(local, 0, local_vocab - 1))
+  return lax.psum(jnp.where(mine, value, jnp.zeros_like(value)), axis_name)
+
+
+class ArrayRows:
+  """A row source over stored rows: padded, packed (with an offset) or a vocabulary shard.
+
+  Args:
+    read: a :data:`Reader` of the sequence's rows (row 0 is the sequence's first row).
+    local_vocab: the columns this device holds (``V``, or ``V / n`` with ``axis_name``).
+    axis_name: the mesh axis the vocabulary is split over, or None.
+  """
+
+  def __init__(self, read: Reader, local_vocab: int, axis_name: str | None = None,
+               column=None):
+    self.read, self.local_vocab, self.axis_name = read, local_vocab, axis_name
+    self.column = column
+
+  def first_column(self) -> jax.Array:
+    """The global id of the first column this device holds (given, or from the mesh axis)."""
+    if self.column is not None:
+      return self.column
+    return first_column(self.local_vocab, self.axis_name)
+
+  def slice(self, row, start, size: int) -> jax.Array:
+    """Local columns ``[start, start + size)`` of ``row``."""
+    return self.read(row, start, size)
+
+  def entry(self, row, token) -> jax.Array:
+    """``row[token]`` (a global id), the same scalar on every device."""
+    return sharded_entry(lambda local: self.read(row, local, 1)[0], token, self.local_vocab,
+                         self.axis_name, self.column)
+
+
+class PointRows:
+  """The rows ``e_{ids[row]}`` of point-mass drafts (n-gram, prompt lookup, greedy heads).
+
+  Computed where read, never stored; an entry needs no collective (every device knows ids).
+  """
+
+  def __init__(self, ids: jax.Array, local_vocab: int, axis_name: str | None = None,
+               dtype=jnp.float32, column=None):
+    self.ids, self.local_vocab, self.axis_name, self.dtype = ids, local_vocab, axis_name, dtype
+    self.column = column
+
+  def first_column(self) -> jax.Array:
+    """The global id of the first column this device holds (given, or from the mesh axis)."""
+    if self.column is not None:
+      return self.column
+    return first_column(self.local_vocab, self.axis_name)
+
+  def slice(self, row, start, size: int) -> jax.Array:
+    """Local columns ``[start, start + size)`` of the one-hot row ``row``."""
+    if self.ids.shape[0] == 0:
+      return jnp.zeros((size,), self.dtype)
+    columns = self.first_column() + start + jnp.arange(size, dtype=jnp.int32)
+    return (columns == self.ids[row]).astype(self.dtype)
+
+  def entry(self, row, token) -> jax.Array:
+    """``1`` where ``token == ids[row]``, else ``0``."""
+    if self.ids.shape[0] == 0:
+      return jnp.zeros((), self.dtype)
+    return (jnp.asarray(token, jnp.int32) == self.ids[row]).astype(self.dtype)
+
+
+def sequence_rows(readers, offsets, *, local_vocab: int, axis_name: str | None, points=None,
+                  dtype=jnp.float32, column=None):
+  """``(p_rows, q_rows)`` of one sequence from the batching rule's raw readers.
+
+  ``readers[0]`` reads ``p`` (and ``readers[1]`` reads ``q``) of arrays shared by the batch;
+  the sequence's rows start at ``offsets = (p_offset, q_offset)``. With ``points`` (the
+  sequence's draft ids) the drafts are point masses and ``q`` is :class:`PointRows`.
+  ``column``: this device's first global id, computed outside the batching rule and passed in
+  as an argument (so that inside ``shard_map`` it is typed like the rows it indexes).
+  """
+  p_rows = ArrayRows(shifted(readers[0], offsets[0]), local_vocab, axis_name, column)
+  if points is not None:
+    return p_rows, PointRows(points, local_vocab, axis_name, dtype, column)
+  return p_rows, ArrayRows(shifted(readers[1], offsets[1]), local_vocab, axis_name, column)

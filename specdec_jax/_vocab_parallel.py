@@ -1,0 +1,367 @@
+"""Vocab-parallel verification: every layout over a mesh whose devices hold ``V / n`` columns.
+
+This is the layout a tensor-parallel LM head leaves (as on TPU pods): every device holds
+``V / n`` contiguous columns of every row, as probabilities or as *logits*. Each factory here
+builds the jitted, sharded form of one layout (padded chains, padded trees, packed chains,
+packed trees) from the same rule bodies the single-device forms run, with ``axis_name`` set:
+per sequence only O(n) scalars cross devices (gathered entries, row statistics, the sampler's
+partial masses and one candidate id; for logits also the processing's row statistics: max,
+normaliser, the threshold searches' counts and masses), never a row. Randomness is given as
+``uniforms`` or drawn from ``key=`` (one key, or one per request) before the sharded body.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from specdec_jax._chain import VerifyResult
+from specdec_jax._checks import check_chain
+from specdec_jax._checks import check_static_int
+from specdec_jax._checks import compute_dtype
+from specdec_jax._from_logits import chain_from_logits
+from specdec_jax._from_logits import tree_from_logits
+from specdec_jax._keys import draw_uniforms
+from specdec_jax._keys import one_source
+from specdec_jax._logits import SamplingParams
+from specdec_jax._logits import check_params
+from specdec_jax._mesh import Built
+from specdec_jax._mesh import batch_counts
+from specdec_jax._mesh import batch_size
+from specdec_jax._mesh import check_divisible
+from specdec_jax._mesh import check_inputs
+from specdec_jax._mesh import check_mesh
+from specdec_jax._mesh import host_arrays
+from specdec_jax._mesh import over_vocab
+from specdec_jax._mesh import per_request
+from specdec_jax._packed import PackedVerifyResult
+from specdec_jax._packed import packed_call
+from specdec_jax._packed_tree import PackedTreeVerifyResult
+from specdec_jax._packed_tree import packed_tree_call
+from specdec_jax._rules import CHAIN_RULES
+from specdec_jax._rules import TREE_RULE
+from specdec_jax._tree import TreeVerifyResult
+from specdec_jax._tree import check_tree
+
+
+def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = None, *,
+                          rule: str = "token", inputs: str = "probs",
+                          pad_id: int = -1) -> Callable[..., VerifyResult]:
+  """Build a jitted, batched :func:`~specdec_jax.verify` (or block) on vocab-split rows.
+
+  Per sequence only O(n) scalars cross devices: the ``2 * gamma`` gathered probabilities of
+  the draft tokens (a ``psum`` of one contribution each), a few statistics of each row the
+  rule reads, ``n`` partial masses for the inverse-CDF sample and one candidate id; from
+  logits also each row's processing statistics (max, normaliser, the top-k/top-p searches'
+  counts and masses, the greedy argmax), a few scalars per pass. The accept scan runs
+  replicated. Results equal the single-device verifier's (:func:`~specdec_jax.verify`,
+  :func:`~specdec_jax.verify_logits`) for the same uniforms except within float rounding of
+  an interval boundary of the final sample.
+
+  Multi-host: see the README, "Running on many devices and hosts".
+
+  Args:
+    mesh: a ``jax.sharding.Mesh``.
+    vocab_axis: the mesh axis the vocabulary is split over; ``V`` must be divisible by its size.
+    batch_axis: optional mesh axis the batch is split over (data parallel).
+    rule: static ``"token"`` or ``"block"``.
+    inputs: ``"probs"`` (processed probabilities) or ``"logits"`` (processed per request with
+      ``params``, on the shards).
+    pad_id: int written into unused token slots.
+
+  Returns:
+    ``inputs="probs"``: ``fn(p, q, draft, uniforms=None, num_draft=None, *, key=None)`` with
+    ``p (B, gamma + 1, V)``, ``q (B, gamma, V)`` or None (point-mass drafts), ``draft (B,
+    gamma)``, ``uniforms (B, gamma + 1)``, ``num_draft (B,)``, ``key`` one key or ``B`` keys.
+    ``inputs="logits"``: ``fn(target_logits, draft_logits, draft, uniforms=None, params=None,
+    num_draft=None, *, key=None)`` with :class:`~specdec_jax.SamplingParams` fields scalar or
+    ``(B,)``. The result's fields have a leading ``B`` axis (sharded over ``batch_axis``).
+
+  Example:
+    >>> import jax, numpy as np
+    >>> mesh = jax.make_mesh((1,), ("model",))
+    >>> fn = vocab_parallel_verify(mesh, "model")
+    >>> p = np.full((1, 3, 4), 0.25, np.float32); q = np.full((1, 2, 4), 0.25, np.float32)
+    >>> fn(p, q, np.array([[1, 2]]), np.full((1, 3), 0.5, np.float32)).tokens.tolist()
+    [[1, 2, 2]]
+
+  Reference:
+    Shoeybi et al., "Megatron-LM" (vocab-parallel output layer), arXiv:1909.08053;
+    Leviathan, Kalman, Matias (2023), arXiv:2211.17192; Sun et al. (2025, block
+    verification), arXiv:2403.10444.
+  """
+  name = "vocab_parallel_verify"
+  shards = check_mesh(name, mesh, vocab_axis, batch_axis)
+  check_inputs(name, inputs)
+  if rule not in CHAIN_RULES:
+    raise ValueError(f"{name}: `rule` must be one of {tuple(CHAIN_RULES)}, got {rule!r}.")
+  batched = ("draft", "uniforms", "num_draft", "params")
+  out = VerifyResult(*(P(batch_axis),) * 6)
+
+  @functools.partial(jax.jit, static_argnames=("logits",))
+  def run(p, q, draft, uniforms, num_draft, key, params, *, logits):
+    batch = batch_size(name, (("p", p, 3), ("q", q, 3), ("draft", draft, 2),
+                            ("uniforms", uniforms, 2)))
+    one = [None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+           for a in (p, q, draft, uniforms)]
+    gamma, vocab = check_chain(name, *one, names=("target_logits", "draft_logits") if logits
+                               else ("p", "q"))
+    check_divisible(name, "target_logits" if logits else "p", vocab, shards, vocab_axis)
+    if uniforms is None:
+      dtype = compute_dtype(p.dtype, (p if q is None else q).dtype)
+      uniforms = draw_uniforms(name, key, batch, gamma + 1, dtype)
+    named = dict(p=p, q=q, draft=jnp.asarray(draft), uniforms=uniforms,
+                 num_draft=batch_counts(name, "num_draft", num_draft, batch, gamma),
+                 params=None if params is None else per_request(params, batch))
+
+    def body(named, axis_name):
+      def one(p, q, draft, uniforms, num_draft, params):
+        if params is None:
+          return CHAIN_RULES[rule](p, q, draft, uniforms, num_draft, pad_id=pad_id,
+                                   vocab=vocab, axis_name=axis_name)
+        return chain_from_logits(p, q, draft, uniforms, params, num_draft, rule=rule,
+                                 pad_id=pad_id, vocab=vocab, axis_name=axis_name)
+      return jax.vmap(one)(named["p"], named["q"], named["draft"], named["uniforms"],
+                           named["num_draft"], named["params"])
+
+    return over_vocab(body, mesh, vocab_axis, named, rows=("p", "q"), out_specs=out,
+                      batch_axis=batch_axis, batched=batched)
+
+  def impl(a: dict, lower: bool):
+    logits = inputs == "logits"
+    p, q = (a["target_logits"], a["draft_logits"]) if logits else (a["p"], a["q"])
+    h = host_arrays(name, dict(p=p, q=q, draft=a["draft"], uniforms=a["uniforms"],
+                         num_draft=a["num_draft"], key=a["key"]))
+    one_source(name, a["key"], a["uniforms"])
+    params = (SamplingParams() if a.get("params") is None else a["params"]) if logits else None
+    if params is not None:
+      check_params(params, name, batch=jnp.shape(h["draft"])[0], host_only=True)
+    target = run.lower if lower else run
+    return target(h["p"], h["q"], h["draft"], h["uniforms"], h["num_draft"], h["key"], params,
+                  logits=logits)
+
+  def probs(p, q, draft, uniforms=None, num_draft=None, *, key=None) -> VerifyResult: ...
+
+  def from_logits(target_logits, draft_logits, draft, uniforms=None, params=None,
+                  num_draft=None, *, key=None) -> VerifyResult: ...
+
+  return Built(impl, probs if inputs == "probs" else from_logits, name,
+               vocab_parallel_verify.__doc__)
+
+
+def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = None, *,
+                               law: str = "iid", inputs: str = "probs", pad_id: int = -1,
+                               max_depth: int | None = None,
+                               uniform_layout: str = "sequential",
+                               ) -> Callable[..., TreeVerifyResult]:
+  """Build a jitted, batched :func:`~specdec_jax.tree_verify` on vocab-split rows.
+
+  The walk carries no ``(V,)`` row (see :func:`~specdec_jax.tree_verify`), so it runs
+  replicated on every device: a child test gathers two scalars (a ``psum`` of one
+  contribution each), a rejection reduces three statistics of the node's rows, and the final
+  token is a sharded inverse CDF (``n`` partial masses and one candidate). Per tree O(n + N)
+  scalars cross devices, nothing of size ``V``; from logits also each row's processing
+  statistics.
+
+  Multi-host: see the README, "Running on many devices and hosts".
+
+  Args:
+    mesh, vocab_axis, batch_axis, inputs, pad_id: as in :func:`vocab_parallel_verify`.
+    law, max_depth, uniform_layout: static, as in :func:`~specdec_jax.tree_verify`.
+
+  Returns:
+    ``inputs="probs"``: ``fn(p, q, parents, tokens, uniforms=None, num_nodes=None, *,
+    key=None)`` with ``p``, ``q`` ``(B, N, V)`` (``q`` None under ``"deterministic"``),
+    ``parents`` ``(N,)`` (one shape for the batch) or ``(B, N)``, ``tokens`` and ``uniforms``
+    ``(B, N)``, ``num_nodes`` ``(B,)``, ``key`` one key or ``B`` keys.
+    ``inputs="logits"``: ``fn(target_logits, draft_logits, parents, tokens, uniforms=None,
+    params=None, num_nodes=None, *, key=None)``.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> mesh = jax.make_mesh((1,), ("model",))
+    >>> fn = vocab_parallel_tree_verify(mesh, "model", law="deterministic")
+    >>> p = np.full((1, 3, 4), 0.25, np.float32)
+    >>> r = fn(p, p, np.array([-1, 0, 0]), np.array([[0, 1, 2]]), np.full((1, 3), 0.1))
+    >>> r.tokens.tolist(), r.path.tolist()
+    ([[1, 0, -1]], [[1, -1, -1]])
+
+  Reference:
+    Miao et al., "SpecInfer", arXiv:2305.09781; Shoeybi et al., "Megatron-LM",
+    arXiv:1909.08053.
+  """
+  name = "vocab_parallel_tree_verify"
+  shards = check_mesh(name, mesh, vocab_axis, batch_axis)
+  check_inputs(name, inputs)
+  batched = ("parents", "tokens", "uniforms", "num_nodes", "params")
+  out = TreeVerifyResult(*(P(batch_axis),) * 7)
+
+  @functools.partial(jax.jit, static_argnames=("logits",))
+  def run(p, q, parents, tokens, uniforms, num_nodes, key, params, *, logits):
+    q = None if law == "deterministic" else q
+    batch = batch_size(name, (("p", p, 3), ("q", q, 3), ("tokens", tokens, 2),
+                            ("uniforms", uniforms, 2)))
+    parents = jnp.asarray(parents)
+    if parents.ndim == 1:
+      parents = jnp.broadcast_to(parents, (batch, parents.shape[0]))
+    one = [None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+           for a in (p, p if q is None else q, parents, tokens, uniforms)]
+    size, vocab, depth = check_tree(*one, law, max_depth, name, uniform_layout)
+    check_divisible(name, "target_logits" if logits else "p", vocab, shards, vocab_axis)
+    if uniforms is None:
+      dtype = compute_dtype(p.dtype, (p if q is None else q).dtype)
+      uniforms = draw_uniforms(name, key, batch, size, dtype)
+    named = dict(p=p, q=q, parents=jnp.clip(parents, -1, 2**31 - 1).astype(jnp.int32),
+                 tokens=jnp.clip(tokens, -1, 2**31 - 1).astype(jnp.int32), uniforms=uniforms,
+                 num_nodes=batch_counts(name, "num_nodes", num_nodes, batch, size),
+                 params=None if params is None else per_request(params, batch))
+    static = dict(law=law, pad_id=pad_id, max_depth=depth, uniform_layout=uniform_layout,
+                  vocab=vocab)
+
+    def body(named, axis_name):
+      def one(p, q, parents, tokens, uniforms, num_nodes, params):
+        if params is None:
+          return TREE_RULE(p, q, parents, tokens, uniforms, num_nodes, axis_name=axis_name,
+                           **static)
+        return tree_from_logits(p, q, parents, tokens, uniforms, params, num_nodes,
+                                axis_name=axis_name, **static)
+      return jax.vmap(one)(*(named[k] for k in ("p", "q", "parents", "tokens", "uniforms",
+                                                 "num_nodes", "params")))
+
+    return over_vocab(body, mesh, vocab_axis, named, rows=("p", "q"), out_specs=out,
+                      batch_axis=batch_axis, batched=batched)
+
+  def impl(a: dict, lower: bool):
+    logits = inputs == "logits"
+    p, q = (a["target_logits"], a["draft_logits"]) if logits else (a["p"], a["q"])
+    h = host_arrays(name, dict(p=p, q=q, parents=a["parents"], tokens=a["tokens"],
+                         uniforms=a["uniforms"], num_nodes=a["num_nodes"], key=a["key"]))
+    one_source(name, a["key"], a["uniforms"])
+    params = (SamplingParams() if a.get("params") is None else a["params"]) if logits else None
+    if params is not None:
+      check_params(params, name, batch=jnp.shape(h["tokens"])[0], host_only=True)
+    target = run.lower if lower else run
+    return target(h["p"], h["q"], h["parents"], h["tokens"], h["uniforms"], h["num_nodes"],
+                  h["key"], params, logits=logits)
+
+  def probs(p, q, parents, tokens, uniforms=None, num_nodes=None, *,
+            key=None) -> TreeVerifyResult: ...
+
+  def from_logits(target_logits, draft_logits, parents, tokens, uniforms=None, params=None,
+                  num_nodes=None, *, key=None) -> TreeVerifyResult: ...
+
+  return Built(impl, probs if inputs == "probs" else from_logits, name,
+               vocab_parallel_tree_verify.__doc__)
+
+
+def vocab_parallel_packed_verify(mesh: Mesh, vocab_axis: str, *, max_spec_len: int,
+                                 bonus_rows: bool | None = None, rule: str = "token",
+                                 convention: str = "specdec",
+                                 pad_id: int = -1) -> Callable[..., PackedVerifyResult]:
+  """Build :func:`~specdec_jax.packed_verify` on vocab-split packed rows (the same call).
+
+  The packed target (and draft) rows hold ``V / n`` columns per device, as a tensor-parallel
+  LM head leaves them, as probabilities or logits with per-request
+  :class:`~specdec_jax.SamplingParams` (processed on the shards: greedy rows, temperature,
+  top-k, top-p); every request reads its gathered scalars and stop row in place, exactly as
+  :func:`vocab_parallel_verify` does for padded rows, so per request O(n) scalars cross
+  devices and nothing of size ``V``.
+
+  Multi-host: see the README, "Running on many devices and hosts".
+
+  Args:
+    mesh, vocab_axis, pad_id: as in :func:`vocab_parallel_verify`.
+    max_spec_len, bonus_rows, rule, convention: static, as in
+      :func:`~specdec_jax.packed_verify`.
+
+  Returns:
+    ``fn(draft_token_ids, num_draft_tokens, *, target_probs=None, target_logits=None,
+    draft_probs=None, draft_logits=None, bonus_token_ids=None, params=None, key=None,
+    uniforms=None) -> PackedVerifyResult``: the keyword arguments of
+    :func:`~specdec_jax.packed_verify`, with the same meaning.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> fn = vocab_parallel_packed_verify(jax.make_mesh((1,), ("model",)), "model",
+    ...                                   max_spec_len=1)
+    >>> p = np.array([[0.0, 1.0], [1.0, 0.0]], np.float32)   # one request: a draft row, a bonus row
+    >>> fn(np.array([1]), np.array([1]), target_probs=p,
+    ...    uniforms=np.array([[0.5, 0.5]], np.float32)).tokens.tolist()
+    [[1, 0]]
+
+  Reference:
+    Shoeybi et al., "Megatron-LM", arXiv:1909.08053; the packed layouts of vLLM V1 and
+    vllm-project/tpu-inference.
+  """
+  name = "vocab_parallel_packed_verify"
+  check_mesh(name, mesh, vocab_axis)
+  max_spec_len = check_static_int(name, "max_spec_len", max_spec_len, 0)
+
+  def impl(a: dict, lower: bool):
+    return packed_call(name, mesh, vocab_axis, **a, max_spec_len=max_spec_len,
+                       bonus_rows=bonus_rows, rule=rule, convention=convention, pad_id=pad_id,
+                       lower=lower)
+
+  def fn(draft_token_ids, num_draft_tokens, *, target_probs=None, target_logits=None,
+         draft_probs=None, draft_logits=None, bonus_token_ids=None, params=None, key=None,
+         uniforms=None) -> PackedVerifyResult: ...
+
+  return Built(impl, fn, name, vocab_parallel_packed_verify.__doc__)
+
+
+def vocab_parallel_packed_tree_verify(mesh: Mesh, vocab_axis: str, *, max_depth: int,
+                                      law: str = "deterministic",
+                                      uniform_layout: str = "per_parent",
+                                      convention: str = "specdec",
+                                      pad_id: int = -1) -> Callable[..., PackedTreeVerifyResult]:
+  """Build :func:`~specdec_jax.packed_tree_verify` on vocab-split rows (the same call).
+
+  sglang-jax's tree encoding with target (and draft) rows ``(B * N, V)`` split over
+  ``vocab_axis``, as probabilities or logits with per-request parameters; the walk runs
+  replicated and only scalars cross devices (as :func:`vocab_parallel_tree_verify`).
+
+  Multi-host: see the README, "Running on many devices and hosts".
+
+  Args:
+    mesh, vocab_axis, pad_id: as in :func:`vocab_parallel_verify`.
+    max_depth, law, uniform_layout, convention: static, as in
+      :func:`~specdec_jax.packed_tree_verify`.
+
+  Returns:
+    ``fn(candidates, retrive_next_token, retrive_next_sibling, *, target_probs=None,
+    target_logits=None, draft_probs=None, draft_logits=None, params=None, key=None,
+    uniforms=None, coins=None) -> PackedTreeVerifyResult``, as
+    :func:`~specdec_jax.packed_tree_verify`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> fn = vocab_parallel_packed_tree_verify(jax.make_mesh((1,), ("model",)), "model",
+    ...                                        max_depth=1)
+    >>> p = np.array([[0.1, 0.6, 0.3], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]], np.float32)
+    >>> r = fn(np.array([[0, 2, 1]]), np.array([[1, -1, -1]]), np.array([[-1, 2, -1]]),
+    ...        target_probs=p, uniforms=np.array([[0.5, 0.0, 0.9]], np.float32))
+    >>> r.tokens.tolist()
+    [[1, 2]]
+
+  Reference:
+    Miao et al., "SpecInfer", arXiv:2305.09781; sgl-project/sglang-jax (the encoding).
+  """
+  name = "vocab_parallel_packed_tree_verify"
+  check_mesh(name, mesh, vocab_axis)
+  max_depth = check_static_int(name, "max_depth", max_depth, 0)
+
+  def impl(a: dict, lower: bool):
+    return packed_tree_call(name, mesh, vocab_axis, **a, max_depth=max_depth, law=law,
+                            uniform_layout=uniform_layout, convention=convention, pad_id=pad_id,
+                            lower=lower)
+
+  def fn(candidates, retrive_next_token, retrive_next_sibling, *, target_probs=None,
+         target_logits=None, draft_probs=None, draft_logits=None, params=None, key=None,
+         uniforms=None, coins=None) -> PackedTreeVerifyResult: ...
+
+  return Built(impl, fn, name, vocab_parallel_packed_tree_verify.__doc__)
