@@ -1,8 +1,9 @@
 """A plain, literal NumPy float64 implementation of the rule: the oracle for tests and docs.
 
-Written to be read next to SPEC.md, not to be fast. Every line does what the
-specification says, in the order it says it, so the library's jitted code can be
-checked against it token for token.
+Written to be read, not to be fast. Every line does what the rule says (Leviathan et al.
+2023, Algorithm 1; Chen et al. 2023), in the order it says it, with one ``rng.random()`` per
+accept test and one for the final sample, so the library's jitted code can be checked
+against it token for token.
 
 Example:
   >>> import numpy as np
@@ -69,7 +70,12 @@ def residual(p_row, q_row) -> np.ndarray:
 
 
 def speculative_step(p, q, draft, rng) -> list[int]:
-  """The verification step of speculative sampling, literally as SPEC.md states it.
+  """The verification step of speculative sampling, literally.
+
+  For ``i = 0 .. gamma - 1`` with ``x = draft[i]``: draw ``u``; accept ``x`` if
+  ``u < p[i, x] / q[i, x]``, else sample a replacement from :func:`residual` and stop. If
+  every proposal is accepted, sample a bonus token from ``p[gamma]``. Sampling is
+  :func:`sample` (inverse CDF, one draw).
 
   Args:
     p: ``(gamma + 1, V)`` target distributions.

@@ -14,7 +14,8 @@ from specdec_jax._sampling import first_hit
 from specdec_jax._sampling import sanitize
 from specdec_jax.theory import chi_square_test
 
-# The worked example of SPEC.md.
+# The worked example: draft [1, 2] is all accepted ([1, 2, 0], 3 draws), [0, 2] rejected at once
+# ([2], 2 draws).
 P_EXAMPLE = np.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
 Q_EXAMPLE = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
 U_EXAMPLE = np.array([0.7, 0.9, 0.1])

@@ -111,7 +111,7 @@ def test_verify_forms_no_residual_over_all_positions_and_no_full_cumsum():
 
 
 def test_negative_control_eager_residuals_and_full_cumsum_are_caught():
-  def eager(p, q, draft, uniforms):
+  def eager(p, q, _draft, uniforms):
     residual = jnp.maximum(p[:, :GAMMA] - q, 0)  # (B, gamma, V): what we never build
     cdf = jnp.cumsum(residual, axis=-1)
     hit = uniforms[:, :GAMMA, None] * cdf[..., -1:] < cdf
@@ -121,5 +121,5 @@ def test_negative_control_eager_residuals_and_full_cumsum_are_caught():
   assert _largest_intermediate(hlo) >= B * GAMMA * V
   assert _has_full_row_scan(stablehlo)
   # ... and the straightforward sampler's full-row cumsum is caught too.
-  _, stablehlo = _compile(jax.vmap(lambda p, q, d, u: sample_index_cumsum(p[0], u[0])))
+  _, stablehlo = _compile(jax.vmap(lambda p, _q, _d, u: sample_index_cumsum(p[0], u[0])))
   assert _has_full_row_scan(stablehlo)

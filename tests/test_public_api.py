@@ -12,7 +12,7 @@ def test_every_public_name_imports_and_has_a_docstring():
     assert obj.__doc__ and obj.__doc__.strip(), f"{name} has no docstring"
 
 
-def test_signatures_match_the_issue():
+def test_signatures_of_the_entry_points():
   assert list(inspect.signature(specdec_jax.sample).parameters) == ["probs", "rng"]
   assert list(inspect.signature(specdec_jax.speculative_step).parameters) == [
     "p", "q", "draft", "rng"

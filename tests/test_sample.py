@@ -1,4 +1,5 @@
-"""The inverse-CDF sampler: one draw, SPEC semantics, frequencies, edge rows.
+"""The inverse-CDF sampler: one draw, the smallest ``k`` with ``u < cumsum(probs)[k]``,
+frequencies, edge rows.
 
 Chi-square tests use alpha = 1e-3 each (Bonferroni over the 6 rows below: family-wise 0.6%).
 """

@@ -1,4 +1,6 @@
-"""Every known trap of SPEC.md, under jit (flags, in-range ids) and on the host (errors)."""
+"""Every known trap of the rule, under jit (flags, in-range ids) and on the host (errors):
+``q[i, x] == 0``, an all-zero or rounding-noise residual, float32 cumulative sums at V = 128k,
+and NaN, negative, unnormalised or out-of-range values."""
 
 import jax
 import jax.numpy as jnp
@@ -141,23 +143,23 @@ GOOD_Q = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
 @pytest.mark.parametrize(
   ("mutate", "draft", "uniforms", "flag"),
   [
-    (lambda p, q: p.__setitem__((0, 1), np.nan), [1, 2], [0.1, 0.1, 0.1], ErrorCode.NONFINITE),
-    (lambda p, q: p.__setitem__((0, 2), -0.1), [0, 2], [0.9, 0.1, 0.1], ErrorCode.NEGATIVE),
-    (lambda p, q: q.__setitem__((0, 2), np.inf), [0, 2], [0.9, 0.1, 0.1], ErrorCode.NONFINITE),
-    (lambda p, q: p.__setitem__(2, [0.5, 0.5, 0.5]), [1, 2], [0.1, 0.1, 0.1],
+    (lambda p, _q: p.__setitem__((0, 1), np.nan), [1, 2], [0.1, 0.1, 0.1], ErrorCode.NONFINITE),
+    (lambda p, _q: p.__setitem__((0, 2), -0.1), [0, 2], [0.9, 0.1, 0.1], ErrorCode.NEGATIVE),
+    (lambda _p, q: q.__setitem__((0, 2), np.inf), [0, 2], [0.9, 0.1, 0.1], ErrorCode.NONFINITE),
+    (lambda p, _q: p.__setitem__(2, [0.5, 0.5, 0.5]), [1, 2], [0.1, 0.1, 0.1],
      ErrorCode.NOT_NORMALIZED),
-    (lambda p, q: p.__setitem__(2, [0.0, 0.0, 0.0]), [1, 2], [0.1, 0.1, 0.1],
+    (lambda p, _q: p.__setitem__(2, [0.0, 0.0, 0.0]), [1, 2], [0.1, 0.1, 0.1],
      ErrorCode.NOT_NORMALIZED),
     # Read only as gathered values: position 0 is accepted, its rows are never read in full.
-    (lambda p, q: p.__setitem__((0, 1), 1.5), [1, 2], [0.1, 0.1, 0.1], ErrorCode.NOT_NORMALIZED),
+    (lambda p, _q: p.__setitem__((0, 1), 1.5), [1, 2], [0.1, 0.1, 0.1], ErrorCode.NOT_NORMALIZED),
     # The q row of a rejection is read in full (the residual) and must sum to 1.
-    (lambda p, q: q.__setitem__(0, [0.5, 0.3, 0.5]), [0, 2], [0.9, 0.1, 0.1],
+    (lambda _p, q: q.__setitem__(0, [0.5, 0.3, 0.5]), [0, 2], [0.9, 0.1, 0.1],
      ErrorCode.NOT_NORMALIZED),
-    (lambda p, q: None, [7, 2], [0.1, 0.1, 0.1], ErrorCode.DRAFT_OUT_OF_RANGE),
-    (lambda p, q: None, [-1, 2], [0.1, 0.1, 0.1], ErrorCode.DRAFT_OUT_OF_RANGE),
-    (lambda p, q: None, [1, 2], [0.1, 1.0, 0.1], ErrorCode.UNIFORM_OUT_OF_RANGE),
-    (lambda p, q: None, [1, 2], [np.nan, 0.1, 0.1], ErrorCode.UNIFORM_OUT_OF_RANGE),
-    (lambda p, q: None, [1, 2], [0.1, 0.1, -0.5], ErrorCode.UNIFORM_OUT_OF_RANGE),
+    (lambda _p, _q: None, [7, 2], [0.1, 0.1, 0.1], ErrorCode.DRAFT_OUT_OF_RANGE),
+    (lambda _p, _q: None, [-1, 2], [0.1, 0.1, 0.1], ErrorCode.DRAFT_OUT_OF_RANGE),
+    (lambda _p, _q: None, [1, 2], [0.1, 1.0, 0.1], ErrorCode.UNIFORM_OUT_OF_RANGE),
+    (lambda _p, _q: None, [1, 2], [np.nan, 0.1, 0.1], ErrorCode.UNIFORM_OUT_OF_RANGE),
+    (lambda _p, _q: None, [1, 2], [0.1, 0.1, -0.5], ErrorCode.UNIFORM_OUT_OF_RANGE),
   ],
 )
 def test_bad_values_under_jit_are_flagged_and_ids_stay_in_range(mutate, draft, uniforms, flag):

@@ -1,4 +1,5 @@
-"""The two worked examples of SPEC.md, through every entry point, with draw counts."""
+"""The two worked examples of the rule (p and q over three tokens, uniforms 0.7, 0.9, 0.1),
+through every entry point, with draw counts."""
 
 import jax.numpy as jnp
 import numpy as np

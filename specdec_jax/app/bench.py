@@ -199,7 +199,7 @@ def _compile(fn, *args) -> tuple[Callable, float]:
   return compiled, time.perf_counter() - start
 
 
-def _prepare_verify(case: Case, args: argparse.Namespace) -> Timed:
+def _prepare_verify(case: Case, _args: argparse.Namespace) -> Timed:
   compiled, compile_s = _compile(jax.jit(jax.vmap(specdec_jax.verify)), *case.device)
   result = jax.block_until_ready(compiled(*case.device))
   case.num_accepted = np.asarray(result.num_accepted)
@@ -213,7 +213,7 @@ def _prepare_verify(case: Case, args: argparse.Namespace) -> Timed:
   )
 
 
-def _prepare_block(case: Case, args: argparse.Namespace) -> Timed:
+def _prepare_block(case: Case, _args: argparse.Namespace) -> Timed:
   """``jax.jit(jax.vmap(block_verify))``: block verification on the same inputs (it keeps a
   different number of proposals, so there is no cross-check of ``num_accepted``)."""
   compiled, compile_s = _compile(jax.jit(jax.vmap(block_verify)), *case.device)
@@ -223,7 +223,7 @@ def _prepare_block(case: Case, args: argparse.Namespace) -> Timed:
   return Timed(call=lambda: compiled(*case.device), compile_s=compile_s)
 
 
-def _prepare_floor(case: Case, args: argparse.Namespace) -> Timed:
+def _prepare_floor(case: Case, _args: argparse.Namespace) -> Timed:
   p, q, draft, gamma = case.p, case.q, case.draft, case.gamma
   stops = [int(s) for s in case.num_accepted]
   rows = np.arange(case.batch)[:, None]

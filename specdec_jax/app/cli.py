@@ -2,7 +2,7 @@
 
 Subcommands:
 
-- ``examples``: walk both worked examples of SPEC.md step by step (:mod:`.demo`).
+- ``examples``: walk both worked examples of the rule step by step (:mod:`.demo`).
 - ``simulate``: ``jax.jit(jax.vmap(verify))`` over many random steps against the theory.
 - ``generate --prompt ...``: plain and speculative decoding of a prompt with
   SmolLM2-135M-Instruct on this CPU (:mod:`.e2e`).
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser.set_defaults(func=run_all)
   sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
   commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
-    "examples": ("walk both worked examples of SPEC.md step by step", demo.run_examples),
+    "examples": ("walk both worked examples of the rule step by step", demo.run_examples),
     "simulate": ("run jax.vmap(verify) over many random steps and compare with the theory",
                  demo.run_simulate),
     "generate": ("plain vs speculative decoding of your prompt with SmolLM2-135M-Instruct",

@@ -2,7 +2,7 @@
 
 Subcommands implemented here:
 
-- ``examples``: walk both worked examples of SPEC.md step by step, computing every
+- ``examples``: walk both worked examples of the rule step by step, computing every
   printed number with the library and checking that the walk, the NumPy
   reference, :func:`specdec_jax.speculative_step` and :func:`specdec_jax.verify`
   agree on the tokens and on how many random numbers were drawn.
@@ -62,13 +62,13 @@ def banner(title: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# examples: the two worked examples of SPEC.md
+# examples: the two worked examples of the rule (p and q over three tokens, gamma = 2)
 # ---------------------------------------------------------------------------------------------
 
 EXAMPLE_P = np.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
 EXAMPLE_Q = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
 EXAMPLE_UNIFORMS = np.array([0.7, 0.9, 0.1])
-# (title, draft, tokens and number of random numbers that SPEC.md states)
+# (title, draft, and the tokens and number of random numbers the rule gives by hand)
 EXAMPLES = (
   ("all accepted", [1, 2], [1, 2, 0], 3),
   ("rejection", [0, 2], [2], 2),
@@ -107,7 +107,7 @@ def _walk_example(title: str, draft: list[int], want_tokens: list[int], want_dra
   """Walk one worked example step by step and cross-check every implementation.
 
   Returns:
-    True when the walk, SPEC.md, the reference, ``speculative_step`` and ``verify``
+    True when the walk, the stated result, the reference, ``speculative_step`` and ``verify``
     all agree on the tokens and the number of random numbers drawn.
   """
   p, q, uniforms = EXAMPLE_P, EXAMPLE_Q, EXAMPLE_UNIFORMS
@@ -176,7 +176,7 @@ def _walk_example(title: str, draft: list[int], want_tokens: list[int], want_dra
   lib_stream = specdec_jax.UniformStream(uniforms)
   lib_tokens = specdec_jax.speculative_step(p, q, draft, lib_stream)
   checks = [
-    ("SPEC.md", want_tokens, want_draws, "stated"),
+    ("worked by hand", want_tokens, want_draws, "stated"),
     ("this walk-through", tokens, draws, "UniformStream.position"),
     ("reference.speculative_step", ref_tokens, ref_stream.position, "UniformStream.position"),
     ("speculative_step", lib_tokens, lib_stream.position, "UniformStream.position"),
@@ -222,7 +222,7 @@ def run_examples(args: argparse.Namespace) -> int:
     ok &= _walk_example(title, draft, want_tokens, want_draws)
   print()
   if ok:
-    print("examples: every implementation agrees with SPEC.md.")
+    print("examples: every implementation agrees with the worked examples.")
     return 0
   print("examples: FAILED, see MISMATCH above.")
   return 1

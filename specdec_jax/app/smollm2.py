@@ -40,7 +40,8 @@ EARLY_EXIT_LAYERS = 22
 
 EAGLE_WEIGHTS = Path(__file__).resolve().parent / "data" / "smollm2_eagle.npz"
 """The trained EAGLE-style draft of SmolLM2-135M-Instruct (``make train-draft`` writes it;
-committed, float16, so that the demo needs no training)."""
+committed, float16, so that the demo needs no training). It is in the source tree, not in the
+wheel (pyproject's ``exclude-package-data``): a checkout or an editable install reads it here."""
 
 
 class SmolLM2(NamedTuple):
@@ -94,10 +95,13 @@ def load_eagle_draft(params: LlamaParams, config: LlamaConfig, path: Path = EAGL
   """The trained draft joined to the target's arrays (``models.eagle.make_eagle_draft``).
 
   Raises:
-    FileNotFoundError: no weights at ``path`` (run ``make train-draft``).
+    FileNotFoundError: no weights at ``path`` (they come with a checkout of the repository, not
+      with the wheel; or run ``make train-draft``).
   """
   if not Path(path).exists():
-    raise FileNotFoundError(f"no trained draft at {path}; run: make train-draft")
+    raise FileNotFoundError(
+      f"no trained draft at {path}: its weights are in the source repository, not in the "
+      "wheel; run from a checkout (pip install -e .) or train them: make train-draft")
   weights, vocab_ids = load_eagle(path)
   return make_eagle_draft(weights, vocab_ids, params, config, name="eagle")
 

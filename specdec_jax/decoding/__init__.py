@@ -2,8 +2,8 @@
 
 The package, one module per concern: ``types`` (results and loop state), ``args`` (host-side
 argument checks), ``common`` (the traced pieces every loop shares), ``plain`` (:func:`generate`),
-``drafts`` and ``chain`` (:func:`speculative_generate` and its drafts), ``tree``
-(:class:`DraftTree` and :func:`tree_speculative_generate`).
+``drafts``, ``chain`` and ``chain_loop`` (:func:`speculative_generate`, its drafts and its traced
+loop), ``draft_tree`` and ``tree`` (:class:`DraftTree` and :func:`tree_speculative_generate`).
 
 Both loops run a whole batch inside one compiled ``jax.lax.while_loop`` with fixed
 shapes. Every row has its own length (ragged batches), its own keys and its own stop

