@@ -103,6 +103,19 @@ def run_cases(mesh, put: Callable[[np.ndarray, P], jax.Array]) -> dict[str, Any]
       row_keys, put(t_logits, rows), put(d_logits, rows), put(draft, seq), row_params,
       put(num_draft, vec))
 
+  # 3d. Vocab-parallel from vocab-sharded logits (per-row parameters, per-row keys), padded and
+  # packed: the rows processed on the shards.
+  fn = sd.vocab_parallel_verify(mesh, "model", "data", inputs="logits")
+  out["vocab-parallel verify from logits"] = fn(
+    put(t_logits, vocab_rows), put(d_logits, vocab_rows), put(draft, seq), params=row_params,
+    num_draft=put(num_draft, vec), key=row_keys)
+  flat_t = np.concatenate([t_logits[b, :num_draft[b] + 1] for b in range(B)])
+  flat_d = np.concatenate([d_logits[b, :num_draft[b]] for b in range(B)])
+  fn = sd.vocab_parallel_packed_verify(mesh, "model", max_spec_len=GAMMA, rule="block")
+  out["vocab-parallel packed_verify from logits"] = fn(
+    put(flat, P()), put(num_draft, P()), target_logits=put(flat_t, P(None, "model")),
+    draft_logits=put(flat_d, P(None, "model")), params=row_params, key=row_keys)
+
   # 4. process_logits on batch-sharded rows.
   logits = rng.normal(size=(B, V)).astype(np.float32)
   params = sd.SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
