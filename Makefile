@@ -36,10 +36,13 @@ demo: install
 lint: install-test
 	$(PY) -m ruff check .
 
-# Two worker processes (pytest-xdist), a test file per worker at a time (shared compilations).
+# One pytest session on two worker processes (pytest-xdist): the tests, the doctests and the
+# notebooks (--nbmake; notebooks/ is in testpaths). A test file per worker at a time (its tests
+# share their compilations), files in collection order (--no-loadscope-reorder) so that the
+# longest ones, listed first in tests/conftest.py, do not start last. --durations=25 names the
+# slowest tests.
 test: install-test lint
-	$(PY) -m pytest -q -n 2 --dist loadfile
-	$(PY) -m pytest -q -n 2 --nbmake notebooks
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --nbmake --durations=25
 
 # Execute the notebooks and store their outputs in place.
 notebooks: install-test
@@ -61,7 +64,7 @@ train-draft: install-test
 	$(PY) -m specdec_jax.app.train_draft $(TRAIN_ARGS)
 
 test-slow: install-test
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow --durations=25
 
 # Mutation testing: curated single-point bugs of the core, each must make its tests fail
 # (tools/mutants.py; not part of `make test`, it takes a while). MUTANTS_ARGS=--list or --only ID.
