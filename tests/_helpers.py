@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -173,3 +174,15 @@ def sample_index_cumsum(weights: jax.Array, u: jax.Array) -> jax.Array:
   w = sanitize(weights)
   cdf = jnp.cumsum(w)
   return first_hit(w, cdf, u * cdf[-1])
+
+
+def largest_collective(hlo: str) -> int:
+  """Element count of the largest array any collective in compiled HLO text moves."""
+  ops = r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?"
+  found = re.findall(r"= (.*?) " + ops + r"\(", hlo)
+  assert found, "expected a few scalar collectives"
+  sizes = []
+  for shapes, _, _ in found:
+    for dims in re.findall(r"\w\d+\[([\d,]*)\]", shapes):
+      sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+  return max(sizes)

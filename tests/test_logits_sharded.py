@@ -6,7 +6,6 @@ and broken rows equal, probabilities equal up to the rounding of the normaliser.
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from specdec_jax import SamplingParams
 from specdec_jax._logits import process_rows
 from specdec_jax._threshold import WAYS
 from specdec_jax._threshold import first_true
+from tests._helpers import largest_collective
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
@@ -204,22 +204,10 @@ def test_random_tied_rows(seed, levels, n, holes, temperature, top_k, top_p):
   check(jnp.asarray(x), params_of(temperature, top_k, top_p), n)
 
 
-def _largest_collective(hlo: str) -> int:
-  """Element count of the largest array any collective in compiled HLO text moves."""
-  ops = r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?"
-  found = re.findall(r"= (.*?) " + ops + r"\(", hlo)
-  assert found, "expected a few scalar collectives"
-  sizes = []
-  for shapes, _, _ in found:
-    for dims in re.findall(r"\w\d+\[([\d,]*)\]", shapes):
-      sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
-  return max(sizes)
-
-
 def test_only_scalars_per_row_cross_devices():
   """Structural check: no collective carries a vocabulary slice (V_local = 1000 here)."""
   n, rows, vocab = 8, 4, 8 * 1000
   params = params_of(np.ones(rows), np.full(rows, 5), np.full(rows, 0.9))
   text = sharded(n).lower(jnp.zeros((rows, vocab)), params).compile().as_text()
-  assert _largest_collective(text) <= rows * max(n, WAYS)
-  assert _largest_collective(text) < vocab // n
+  assert largest_collective(text) <= rows * max(n, WAYS)
+  assert largest_collective(text) < vocab // n

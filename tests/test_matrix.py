@@ -13,7 +13,6 @@ test_tree.py, so agreement carries exactness to every cell. Vocabulary shards: 8
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 import specdec_jax as sd
+from tests._helpers import largest_collective
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
@@ -273,17 +273,6 @@ def test_every_result_starts_with_the_same_six_fields():
   assert sd.PackedTreeResult is sd.PackedTreeVerifyResult
 
 
-def _largest_collective(hlo: str) -> int:
-  ops = r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?"
-  found = re.findall(r"= (.*?) " + ops + r"\(", hlo)
-  assert found, "expected a few scalar collectives"
-  sizes = []
-  for shapes in found:
-    for dims in re.findall(r"\[([0-9,]*)\]", shapes[0]):
-      sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
-  return max(sizes)
-
-
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_vocab_parallel_logits_move_only_scalars(layout):
   """From vocab-sharded logits with per-request top-k/top-p: no collective carries a row."""
@@ -304,4 +293,4 @@ def test_vocab_parallel_logits_move_only_scalars(layout):
                     draft_logits=dl.reshape(-1, vocab), params=PARAMS,
                     key=key).compile().as_text()
   # Per row statistic at most n values (the shards' tie counts); batched over the rows.
-  assert _largest_collective(text) <= B * (GAMMA + 1) * 8 * 2
+  assert largest_collective(text) <= B * (GAMMA + 1) * 8 * 2

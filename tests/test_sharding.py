@@ -1,6 +1,5 @@
 """Sharded and vocab-parallel verification on a mesh of 8 CPU devices (conftest.py asks for 8)."""
 
-import re
 
 import jax
 import numpy as np
@@ -16,6 +15,7 @@ from specdec_jax import verify
 from specdec_jax import verify_logits
 from specdec_jax import vocab_parallel_tree_verify
 from specdec_jax import vocab_parallel_verify
+from tests._helpers import largest_collective
 from tests._helpers import random_case
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
@@ -118,19 +118,7 @@ def test_vocab_parallel_moves_only_scalars_between_devices():
   batch, gamma, vocab = 4, 3, 8 * 1000  # V / n = 1000 appears in no collective shape
   p, q, draft, uniforms, num_draft = _batch(30, batch, gamma, vocab, kinds=("overlap",))
   text = fn.lower(p, q, draft, uniforms, num_draft).compile().as_text()
-  assert _largest_collective(text) <= batch * 8  # n partial masses per sequence at most
-
-
-def _largest_collective(hlo: str) -> int:
-  """Element count of the largest array any collective in compiled HLO text moves."""
-  ops = r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?"
-  found = re.findall(r"= (.*?) " + ops + r"\(", hlo)
-  assert found, "expected a few scalar collectives"
-  sizes = []
-  for shapes, _, _ in found:
-    for dims in re.findall(r"\w\d+\[([\d,]*)\]", shapes):
-      sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
-  return max(sizes)
+  assert largest_collective(text) <= batch * 8  # n partial masses per sequence at most
 
 
 def test_the_structural_check_catches_a_gathered_row():
@@ -143,7 +131,7 @@ def test_the_structural_check_catches_a_gathered_row():
   fn = jax.jit(jax.shard_map(gather_rows, mesh=mesh, in_specs=P(None, "model"),
                              out_specs=P(None), check_vma=False))
   text = fn.lower(np.zeros((4, 8000), np.float32)).compile().as_text()
-  assert _largest_collective(text) >= 8000
+  assert largest_collective(text) >= 8000
 
 
 def test_vocab_parallel_bad_input():
@@ -231,7 +219,7 @@ def test_block_and_tree_move_only_scalars_between_devices(rule):
     fn = vocab_parallel_tree_verify(mesh, "model", law="iid")
     p, q, tokens, uniforms, num_nodes = _tree_batch(71, 4, vocab, "iid")
     text = fn.lower(p, q, TREE_PARENTS, tokens, uniforms, num_nodes).compile().as_text()
-  assert _largest_collective(text) <= 4 * 8  # n partial masses per sequence at most
+  assert largest_collective(text) <= 4 * 8  # n partial masses per sequence at most
 
 
 def test_vocab_parallel_tree_bad_input():
