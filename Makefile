@@ -40,9 +40,10 @@ lint: install-test
 # notebooks (--nbmake; notebooks/ is in testpaths). A test file per worker at a time (its tests
 # share their compilations), files in collection order (--no-loadscope-reorder) so that the
 # longest ones, listed first in tests/conftest.py, do not start last. --durations=25 names the
-# slowest tests.
+# slowest tests. --max-worker-restart=0: a worker that dies fails the run at once (xdist's
+# replacement worker once sat idle while the scheduler waited until CI's time limit).
 test: install-test lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --nbmake --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --nbmake --durations=25
 
 # Execute the notebooks and store their outputs in place.
 notebooks: install-test

@@ -5,7 +5,11 @@ The process runs on 8 CPU devices (``jax_num_cpu_devices``), so the sharded and
 vocab-parallel tests run in process beside the rest; single-device code uses device 0.
 """
 
+import gc
+import os
+
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -47,3 +51,31 @@ def pytest_collection_modifyitems(config, items):
     return rank.get(path, len(SLOW_FILES))
 
   items.sort(key=key)
+
+
+def _mappings() -> tuple[int, int]:
+  """``(memory mappings this process holds, the kernel's limit)``; ``(0, 1)`` off Linux."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+    with open(f"/proc/{os.getpid()}/maps", "rb") as f:
+      return sum(1 for _ in f), limit
+  except OSError:
+    return 0, 1
+
+
+@pytest.fixture(autouse=True)
+def _release_executables():
+  """Drop JAX's compiled programs when the worker holds half the kernel's memory-mapping limit.
+
+  Every XLA:CPU executable keeps about 20 memory mappings for as long as JAX caches it, and
+  JAX never evicts: a worker that compiles a few thousand programs reaches
+  ``vm.max_map_count`` (65,530 by default) and the next compilation segfaults inside XLA
+  (seen in CI at about 90% of the suite, and the xdist scheduler then waited until the job's
+  time limit). ``jax.clear_caches()`` unmaps them; a test's later calls just compile again.
+  """
+  yield
+  held, limit = _mappings()
+  if held > limit // 2:
+    jax.clear_caches()
+    gc.collect()
