@@ -10,6 +10,7 @@ of the batch it is in. :func:`draw_uniforms` draws the array. :func:`key_twin` g
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from specdec_jax._checks import PublicJit
 from specdec_jax._checks import check_key
+from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import public_jit
 
 _NAME = contextvars.ContextVar("specdec_jax_entry_name", default=None)
@@ -48,6 +50,29 @@ def draw_uniforms(name: str, key, batch: int, count: int, dtype) -> jax.Array:
     return jax.vmap(lambda k: jax.random.uniform(k, (count,), dtype=dtype))(key)
   raise TypeError(f"{name}: `key` must be one jax.random key or B = {batch} keys (one per "
                   f"request), got {type(key).__name__} of dtype {dtype_of} and shape {shape}.")
+
+
+@functools.partial(jax.jit, static_argnames=("name", "batch", "count", "dtype"))
+def _draw(key, *, name: str, batch: int, count: int, dtype) -> jax.Array:
+  return draw_uniforms(name, key, batch, count, dtype)
+
+
+def uniforms_first(name: str, key, uniforms, batch, count: int, dtypes):
+  """``(key, uniforms)`` with the key turned into its uniforms before its body.
+
+  The batched entry points (packed, packed tree, vocabulary-parallel) draw from ``key`` in a
+  small jitted program of their own and pass the array to the body, so that one compiled body
+  serves all three randomness sources (``uniforms=``, one key, ``B`` keys); inside an outer
+  ``jit`` both are traced into the caller's program alike. The uniforms are those
+  :func:`draw_uniforms` gives (``dtype``: :func:`compute_dtype` of ``dtypes``). Returns
+  ``(key, uniforms)`` unchanged without a key, or when the shapes or dtypes are ones the body
+  will refuse with its own message (``batch`` not an int, a dtype not floating).
+  """
+  if (key is None or not isinstance(batch, int)
+      or not all(jnp.issubdtype(d, jnp.floating) for d in dtypes)):
+    return key, uniforms
+  dtype = compute_dtype(*dtypes)
+  return None, _draw(key, name=name, batch=batch, count=count, dtype=jnp.dtype(dtype))
 
 
 def one_source(name: str, key, uniforms, uniforms_name: str = "uniforms") -> None:

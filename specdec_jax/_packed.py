@@ -38,6 +38,7 @@ from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
 from specdec_jax._keys import draw_uniforms
 from specdec_jax._keys import one_source
+from specdec_jax._keys import uniforms_first
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
@@ -256,6 +257,11 @@ def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, ma
                args["draft_logits"] if args["draft_logits"] is not None else args["draft_probs"],
                bonus_rows, "target_logits" if logits else "target_probs",
                "draft_logits" if args["draft_logits"] is not None else "draft_probs")
+  target = args["target_logits" if logits else "target_probs"]
+  draft = args["draft_logits"] if args["draft_logits"] is not None else args["draft_probs"]
+  args["key"], args["uniforms"] = uniforms_first(
+    name, args["key"], args["uniforms"], jnp.shape(args["num_draft_tokens"])[0],
+    max_spec_len + 1, [target.dtype] + ([] if draft is None else [draft.dtype]))
   run = packed_jit.lower if lower else packed_jit
   return run(**args, params=params, max_spec_len=max_spec_len, bonus_rows=bonus_rows,
                      rule=rule, pad_id=pad_id, name=name, mesh=mesh, vocab_axis=vocab_axis)

@@ -34,6 +34,7 @@ from specdec_jax._engine import engine_params
 from specdec_jax._engine import process
 from specdec_jax._keys import draw_uniforms
 from specdec_jax._keys import one_source
+from specdec_jax._keys import uniforms_first
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
@@ -233,6 +234,11 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
     check_params(params, name, batch=shape[0], host_only=True)
   elif args["target_logits"] is not None:
     params = SamplingParams()
+  target = args["target_probs"] if args["target_logits"] is None else args["target_logits"]
+  draft = args["draft_probs"] if args["draft_logits"] is None else args["draft_logits"]
+  args["key"], args["uniforms"] = uniforms_first(
+    name, args["key"], args["uniforms"], shape[0], shape[1],
+    [target.dtype] + ([] if draft is None else [draft.dtype]))
   run = packed_tree_jit.lower if lower else packed_tree_jit
   return run(**args, params=params, max_depth=max_depth, law=law,
                    uniform_layout=uniform_layout, pad_id=pad_id, name=name, mesh=mesh,

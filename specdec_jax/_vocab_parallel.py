@@ -28,6 +28,7 @@ from specdec_jax._from_logits import chain_from_logits
 from specdec_jax._from_logits import tree_from_logits
 from specdec_jax._keys import draw_uniforms
 from specdec_jax._keys import one_source
+from specdec_jax._keys import uniforms_first
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._mesh import Built
@@ -141,9 +142,12 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
     params = (SamplingParams() if a.get("params") is None else a["params"]) if logits else None
     if params is not None:
       check_params(params, name, batch=jnp.shape(h["draft"])[0], host_only=True)
+    draft = h["draft"]
+    key, uniforms = uniforms_first(
+      name, h["key"], h["uniforms"], draft.shape[0] if jnp.ndim(draft) == 2 else None,
+      jnp.shape(draft)[-1] + 1, [x.dtype for x in (h["p"], h["q"]) if x is not None])
     target = run.lower if lower else run
-    return target(h["p"], h["q"], h["draft"], h["uniforms"], h["num_draft"], h["key"], params,
-                  logits=logits)
+    return target(h["p"], h["q"], draft, uniforms, h["num_draft"], key, params, logits=logits)
 
   def probs(p, q, draft, uniforms=None, num_draft=None, *, key=None) -> VerifyResult: ...
 
@@ -245,9 +249,14 @@ def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | No
     params = (SamplingParams() if a.get("params") is None else a["params"]) if logits else None
     if params is not None:
       check_params(params, name, batch=jnp.shape(h["tokens"])[0], host_only=True)
+    tokens = h["tokens"]
+    q = None if law == "deterministic" else h["q"]
+    key, uniforms = uniforms_first(
+      name, h["key"], h["uniforms"], tokens.shape[0] if jnp.ndim(tokens) == 2 else None,
+      jnp.shape(tokens)[-1], [x.dtype for x in (h["p"], q) if x is not None])
     target = run.lower if lower else run
-    return target(h["p"], h["q"], h["parents"], h["tokens"], h["uniforms"], h["num_nodes"],
-                  h["key"], params, logits=logits)
+    return target(h["p"], h["q"], h["parents"], tokens, uniforms, h["num_nodes"], key, params,
+                  logits=logits)
 
   def probs(p, q, parents, tokens, uniforms=None, num_nodes=None, *,
             key=None) -> TreeVerifyResult: ...
