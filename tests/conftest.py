@@ -7,6 +7,8 @@ vocab-parallel tests run in process beside the rest; single-device code uses dev
 
 import gc
 import os
+import shutil
+import tempfile
 
 #: XLA:CPU code generation that compiles faster (issue 21: the suite is compile-bound; about 30%
 #: less compile time on tests/test_matrix.py's packed and vocab-parallel cells, their outputs
@@ -17,7 +19,21 @@ import os
 #: compile every entry point with XLA's defaults and must equal, bit for bit, the reference this
 #: process computes with these flags.
 TEST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+#: One compilation cache for the whole session (JAX's persistent cache, read from these
+#: environment variables when JAX is imported): the process that starts the session makes the
+#: directory, the xdist workers and the notebook kernels inherit it, so a program compiled by
+#: one of them (or compiled again after :func:`_release_executables` dropped it) is loaded,
+#: not compiled. Removed when the session ends (:func:`pytest_unconfigure`); a cache key
+#: covers the program, the XLA flags, the devices and the versions, so a hit is the same
+#: executable. tests/test_multihost.py's workers do without it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-jax-test-cache-")
+  os.environ["SPECDEC_TEST_CACHE_OWNER"] = str(os.getpid())
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -62,6 +78,12 @@ def pytest_collection_modifyitems(config, items):
     return rank.get(path, len(SLOW_FILES))
 
   items.sort(key=key)
+
+
+def pytest_unconfigure():
+  """The process that made the session's compilation cache removes it."""
+  if os.environ.get("SPECDEC_TEST_CACHE_OWNER") == str(os.getpid()):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def _mappings() -> tuple[int, int]:

@@ -48,7 +48,8 @@ def test_two_processes_give_the_single_process_results(tmp_path):
   np.savez(reference, **arrays)
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(WORKER.parents[1]))
-  env.pop("XLA_FLAGS", None)
+  for var in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):  # XLA's defaults, no shared cache
+    env.pop(var, None)
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(reference)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
            for i in range(2)]
