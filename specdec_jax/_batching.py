@@ -109,7 +109,8 @@ def per_sequence(body: Callable, arrays: Sequence[jax.Array], *scalars):
           x, batched)
 
       def one(i):
-        readers = [reader(a, i if in_batched[k] else None) for k, a in enumerate(args[:n])]
+        readers = [reader(a, i if any(jax.tree.leaves(in_batched[k])) else None, in_batched[k])
+                   for k, a in enumerate(args[:n])]
         rest = [at(x, b, i) for x, b in zip(args[n:], in_batched[n:], strict=True)]
         return body(readers, *rest, looped=True)
 

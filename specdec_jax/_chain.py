@@ -25,6 +25,7 @@ from specdec_jax._errors import or_reduce
 from specdec_jax._errors import row_tolerance
 from specdec_jax._errors import uniform_codes
 from specdec_jax._errors import value_codes
+from specdec_jax._rows import entries
 from specdec_jax._rows import sharded_entry
 
 
@@ -129,11 +130,11 @@ def gather_draft_probs(p, q, prep: Prepared, axis_name: str | None = None, *, p_
   positions, ids, dtype = prep.positions, prep.safe_draft, prep.dtype
   local_vocab = p.shape[-1]
   p_rows = row_indices(p_offset, positions, p.shape[0])
-  p_x = sharded_entry(lambda local: p[p_rows, local], ids, local_vocab, axis_name)
+  p_x = sharded_entry(lambda local: entries(p, p_rows, local), ids, local_vocab, axis_name)
   if q is None:
     return p_x.astype(dtype), jnp.ones(positions.shape, dtype) + jnp.zeros_like(p_x, dtype)
   q_rows = row_indices(q_offset, positions, q.shape[0])
-  q_x = sharded_entry(lambda local: q[q_rows, local], ids, local_vocab, axis_name)
+  q_x = sharded_entry(lambda local: entries(q, q_rows, local), ids, local_vocab, axis_name)
   return p_x.astype(dtype), q_x.astype(dtype)
 
 

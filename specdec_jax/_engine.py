@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax._logits import SamplingParams
-from specdec_jax._logits import process_rows
 
 #: How each engine writes greedy / disabled sampling parameters (``convention=``).
 CONVENTIONS = ("specdec", "vllm", "tpu_inference", "sglang")
@@ -89,13 +88,3 @@ def rows_params(params: SamplingParams, owners: jax.Array) -> SamplingParams:
     return jnp.broadcast_to(v, owners.shape) if v.ndim == 0 else v[owners]
   return SamplingParams(*(expand(v) for v in params))
 
-
-def process(rows: jax.Array, params: SamplingParams, axis_name: str | None = None) -> jax.Array:
-  """Logit rows ``(R, V)`` to probabilities with per-row ``params`` (fields ``(R,)``).
-
-  With ``axis_name`` the rows hold one device's ``V / n`` columns and the row statistics are
-  combined with scalar collectives (no device gathers a row).
-  """
-  if axis_name is None:
-    return process_rows(rows, params)
-  return process_rows(rows, params, axis_name=axis_name)

@@ -23,30 +23,26 @@ from specdec_jax._checks import check_chain
 from specdec_jax._checks import check_scalar
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import public_jit
-from specdec_jax._engine import process
 from specdec_jax._keys import entry_name
 from specdec_jax._keys import key_twin
 from specdec_jax._keys import key_uniforms
 from specdec_jax._keys import one_source
+from specdec_jax._lazy import LogitRows
+from specdec_jax._lazy import lazy_rows
+from specdec_jax._lazy import sequence_params
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
-from specdec_jax._logits import process_unchecked
 from specdec_jax._rules import CHAIN_RULES
 from specdec_jax._rules import TREE_RULE
 from specdec_jax._tree import TreeVerifyResult
 from specdec_jax._tree import check_tree
 
 
-def process_sequence(logits, params: SamplingParams, axis_name: str | None = None):
-  """One sequence's logit rows ``(R, V)`` (``V / n`` per device with ``axis_name``), processed
-  with its scalar ``params``."""
-  if axis_name is None:
-    return process_unchecked(logits, params)
-  rows = logits.shape[0]
-  per_row = SamplingParams(*(None if v is None else jnp.broadcast_to(jnp.asarray(v), (rows,))
-                             for v in params))
-  return process(logits, per_row, axis_name)
+def process_sequence(logits, params: SamplingParams, axis_name: str | None = None) -> LogitRows:
+  """One sequence's logit rows ``(R, V)`` (``V / n`` per device with ``axis_name``) as a lazily
+  processed row source (:mod:`specdec_jax._lazy`) with its scalar ``params``."""
+  return lazy_rows(logits, sequence_params(params, logits.shape[0]), axis_name)
 
 
 def with_params_error(result, params: SamplingParams):

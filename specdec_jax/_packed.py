@@ -31,7 +31,6 @@ from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
 from specdec_jax._engine import engine_params
-from specdec_jax._engine import process
 from specdec_jax._engine import row_owners
 from specdec_jax._engine import rows_params
 from specdec_jax._errors import ErrorCode
@@ -39,6 +38,7 @@ from specdec_jax._errors import flag
 from specdec_jax._keys import draw_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._keys import uniforms_first
+from specdec_jax._lazy import lazy_rows
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
@@ -325,9 +325,9 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
   if params is not None:  # logits: each row processed with its request's parameters
     row_counts = counts + 1 if bonus_rows else counts
     owners = row_owners(row_counts, target.shape[0])
-    target = process(target, rows_params(params, owners), axis_name)
+    target = lazy_rows(target, rows_params(params, owners), axis_name)
     if draft is not None and draft_is_logits:
-      draft = process(draft, rows_params(params, row_owners(counts, draft.shape[0])), axis_name)
+      draft = lazy_rows(draft, rows_params(params, row_owners(counts, draft.shape[0])), axis_name)
     error = error | jnp.broadcast_to(params_error(params), (batch,))
 
   positions = jnp.arange(max_spec_len, dtype=jnp.int32)

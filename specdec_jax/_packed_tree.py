@@ -31,10 +31,10 @@ from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
 from specdec_jax._engine import engine_params
-from specdec_jax._engine import process
 from specdec_jax._keys import draw_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._keys import uniforms_first
+from specdec_jax._lazy import lazy_rows
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
@@ -293,9 +293,9 @@ def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
     owners = jnp.arange(batch * size, dtype=jnp.int32) // size
     rows = SamplingParams(*(None if v is None else (
       jnp.broadcast_to(jnp.asarray(v), (batch,))[owners]) for v in params))
-    target = process(target, rows, axis_name)
+    target = lazy_rows(target, rows, axis_name)
     if draft is not None and draft_is_logits:
-      draft = process(draft, rows, axis_name)
+      draft = lazy_rows(draft, rows, axis_name)
     error = error | jnp.broadcast_to(params_error(params), (batch,))
   parents = jax.vmap(parents_from_links)(named["retrive_next_token"],
                                          named["retrive_next_sibling"])

@@ -24,15 +24,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._lazy import LogitRows
+from specdec_jax._lazy import row_probs
+
 #: ``read(row, start, size) -> (size,)``: a slice of one row of one sequence's array.
 Reader = Callable[[jax.Array, jax.Array, int], jax.Array]
 
 
-def reader(array: jax.Array, batch_index: jax.Array | None = None) -> Reader:
+def reader(array, batch_index: jax.Array | None = None, batched=None) -> Reader:
   """A :data:`Reader` of ``array`` (``(R, V)``, or ``(B, R, V)`` with ``batch_index``).
 
-  An array without rows (``q`` when ``gamma == 0``) reads as zeros.
+  ``array`` may be :class:`~specdec_jax._lazy.LogitRows`: the reader then returns the
+  processed probabilities of the slice, computed from the logits and the row's statistics
+  (``batched``: which of its leaves carry the batch axis that ``batch_index`` indexes; all by
+  default). An array without rows (``q`` when ``gamma == 0``) reads as zeros.
   """
+  if isinstance(array, LogitRows):
+    return _logit_reader(array, batch_index, batched)
   if array.shape[-2] == 0:
     return lambda _row, _start, size: jnp.zeros((size,), array.dtype)
 
@@ -45,6 +53,41 @@ def reader(array: jax.Array, batch_index: jax.Array | None = None) -> Reader:
     return lax.dynamic_slice(array, (index, row, start), (1, 1, size))[0, 0]
 
   return read
+
+
+def _logit_reader(rows: LogitRows, batch_index, batched) -> Reader:
+  """The reader of :class:`~specdec_jax._lazy.LogitRows`: raw slices made probabilities."""
+  if batched is None:
+    batched = jax.tree.map(lambda _: batch_index is not None, rows)
+  if batch_index is not None:
+    index = jnp.asarray(batch_index, jnp.int32)
+    stats = jax.tree.map(lambda s, b: s[index] if b else s, rows.stats, batched.stats)
+    column = rows.column[index] if batched.column else rows.column
+  else:
+    stats, column = rows.stats, rows.column
+  raw = reader(rows.logits, batch_index if batched.logits else None)
+  dtype = rows.dtype
+
+  def read(row, start, size: int) -> jax.Array:
+    if rows.logits.shape[-2] == 0:
+      return jnp.zeros((size,), dtype)
+    at = jnp.clip(jnp.asarray(row, jnp.int32), 0, rows.logits.shape[-2] - 1)
+    row_stats = jax.tree.map(lambda s: s[at], stats)
+    # dynamic_slice clamps the start so that the slice fits: the ids follow the clamp.
+    first = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows.logits.shape[-1] - size)
+    ids = column + first + jnp.arange(size, dtype=jnp.int32)
+    return row_probs(row_stats, raw(row, start, size), ids)
+
+  return read
+
+
+def entries(array, rows: jax.Array, local: jax.Array) -> jax.Array:
+  """``array[rows, local]`` (gathered entries), processed for
+  :class:`~specdec_jax._lazy.LogitRows` (``local``: this device's column indices)."""
+  if not isinstance(array, LogitRows):
+    return array[rows, local]
+  stats = jax.tree.map(lambda s: s[rows], array.stats)
+  return row_probs(stats, array.logits[rows, local], local + array.column)
 
 
 def shifted(read: Reader, offset) -> Reader:

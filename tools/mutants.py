@@ -57,6 +57,7 @@ def _m(id_, file, original, replacement, description, *tests) -> Mutant:
 
 
 T_SAMPLE = "tests/test_sample.py"
+T_LAZY = "tests/test_lazy_logits.py"
 T_TRAPS = "tests/test_traps.py"
 T_FEATURE = "tests/decoding/test_feature_adaptive.py"
 T_TREE_LOOP = "tests/decoding/test_tree_loop.py"
@@ -287,6 +288,24 @@ MUTANTS: tuple[Mutant, ...] = (
      "one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)",
      "one_hot = jax.nn.one_hot(vocab - 1 - jnp.argmax(logits[::-1]), vocab, dtype=dtype)",
      "greedy point mass on the last maximal logit, not the first", T_LOGITS, "-k", "ties"),
+  _m("lazy-settled-ties", "_lazy.py",
+     "| (t > zs[:, -1]))", "| (t >= zs[:, -1]))",
+     "lazy logits: a cut tied with the smallest candidate counts as settled", T_LAZY),
+  _m("lazy-cut-id", "_lazy.py",
+     "cut = jnp.take_along_axis(ids, last[:, None], axis=-1)[:, 0] + 1",
+     "cut = jnp.take_along_axis(ids, last[:, None], axis=-1)[:, 0]",
+     "lazy logits: the last kept tie of the top-k/top-p cut dropped", T_LAZY),
+  _m("lazy-top-p-inclusive", "_lazy.py",
+     "fits = in_k & ((before < clipped[:, None])", "fits = in_k & ((before <= clipped[:, None])",
+     "lazy logits: top-p keeps a token whose preceding mass equals top_p", T_LAZY),
+  _m("lazy-greedy-last-max", "_lazy.py",
+     "jnp.min(jnp.where(hits, columns, x.shape[-1] - 1), axis=-1)",
+     "jnp.max(jnp.where(hits, columns, 0), axis=-1)",
+     "lazy logits: greedy point mass on the last maximal logit of its block", T_LAZY),
+  _m("lazy-norm-over-all", "_lazy.py",
+     "  norm = jnp.sum(jnp.where(j < kept[:, None], e, jnp.zeros((), dtype)), axis=-1)",
+     "  norm = norm_all",
+     "lazy logits: the normaliser of the whole row after top-k/top-p", T_LAZY),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",

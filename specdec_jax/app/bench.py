@@ -47,6 +47,7 @@ import numpy as np
 import specdec_jax
 from specdec_jax import block_verify
 from specdec_jax import reference
+from specdec_jax.app import bench_logits
 from specdec_jax.app import bench_packed
 from specdec_jax.app.baselines import eager_recovery_verify
 from specdec_jax.app.baselines import torch_speculative_sampling
@@ -517,6 +518,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--no-packed", action="store_true",
                       help="skip the packed section (python -m specdec_jax.app.bench_packed)")
+  parser.add_argument("--no-logits", action="store_true",
+                      help="skip the logits section (python -m specdec_jax.app.bench_logits)")
   args = parser.parse_args(argv)
   if args.tiny:
     args.batch, args.gamma, args.vocab, args.repeats = [2], [2], [1000], 2
@@ -558,6 +561,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     packed_args = ["--tiny"] if args.tiny else []
     print(bench_packed.run(bench_packed.parse_args(packed_args + (["--markdown"] if args.markdown
                                                                    else []))))
+  if not args.no_logits:
+    print()
+    logits_args = (["--tiny"] if args.tiny else []) + (["--markdown"] if args.markdown else [])
+    print(bench_logits.run(bench_logits.parse_args(logits_args)))
   for warning in warnings:
     print(f"WARNING: {warning}")
   return 1 if warnings else 0

@@ -56,10 +56,13 @@ def test_bench_tiny_runs_and_prints_the_tables():
   for title in ("Packed ragged batches", "packed/floor", "gather/packed", "eager/packed",
                 "sorted/packed"):  # the packed section (app/bench_packed.py)
     assert title in out, title
+  for title in ("From logits, packed", "ours/floor", "tpu-style/ours", "top-k+top-p",
+                "greedy-mixed", "flat"):  # the logits section (app/bench_logits.py)
+    assert title in out, title
 
 
 def test_bench_tiny_markdown_without_torch():
-  out = _run_bench("--markdown", "--no-torch", "--no-packed")
+  out = _run_bench("--markdown", "--no-torch", "--no-packed", "--no-logits")
   assert "| B | gamma | V |" in out
   assert "torch disabled" in out
   row = next(line for line in out.splitlines() if line.startswith("| 2 | 2 | 1000 |"))

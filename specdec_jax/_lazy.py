@@ -1,0 +1,382 @@
+"""Logits as a lazily processed row source: a few statistics per row, probabilities where read.
+
+The processed distribution of a logit row ``x`` under temperature ``T``, top-k and top-p
+(:func:`~specdec_jax.process_logits`) is ``p_i = exp(z_i) / S`` on a kept set and 0 elsewhere,
+with ``z = (x - max(x)) / T``. The kept set is a prefix of the order "logit descending, ties
+toward the lower id", so it is ``{x > t} | {x == t and id < cut}`` for a threshold logit ``t``
+(the last kept entry's own value: raw logits compare exactly, whereas ``z`` recomputed in
+another fusion can differ by an ulp, XLA:CPU's vectorised division not being correctly
+rounded) and an id ``cut``; ``S`` is the sum of ``exp(z)`` over it. :func:`logit_stats`
+computes, per row, ``(max, T, S, t, cut, argmax, greedy, broken)`` and :func:`row_probs` turns
+any slice of the row into its probabilities from them. A verifier then reads processed values
+only where its rule reads (the gathered ``p(x)``, ``q(x)`` and the stop row): no processed copy
+of the rows is written (:class:`LogitRows` is read through :func:`~specdec_jax._rows.reader`).
+
+The statistics cost what the batch uses (batch-level ``lax.cond``): every row gets one pass for
+the max, the argmax and the flags; a pass for ``S`` only if some row samples (not greedy); a
+partial selection ``lax.top_k`` of the :data:`CANDIDATES` largest logits only if some row uses
+top-k or top-p, which settles ``t``, ``cut`` and ``S`` of every row whose kept set ends inside
+the candidates (the top-k/top-p of LM rows); rows it does not settle (a ``top_k`` above the
+bound, a flat row whose nucleus is wider) are processed by the sort-free bisection of
+:mod:`specdec_jax._threshold`, one row at a time. Vocabulary-sharded rows (``axis_name``) use
+the bisection with scalar collectives.
+
+Reference: the same statistics drive FlashInfer's sorting-free top-k/top-p sampling and
+tpu-inference's ``binary_search.py``; here they are kept instead of a processed array.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specdec_jax._checks import compute_dtype
+from specdec_jax._threshold import any_if
+from specdec_jax._threshold import full_vocab
+from specdec_jax._threshold import reduce_if
+from specdec_jax._threshold import softmax
+from specdec_jax._threshold import top_k_mask
+from specdec_jax._threshold import top_p_mask
+
+#: Candidates per row for the partial selection: a kept set that ends inside them is settled
+#: without another pass over the row; others fall back to the bisection. XLA:CPU's ``TopK``
+#: costs about linearly in ``k``: 32 keeps the selection at two floors of V = 32,000.
+CANDIDATES = 64
+
+#: Entries per block of the block maxima (the first pass): the candidates are the largest
+#: entries of the ``CANDIDATES`` blocks with the largest maxima.
+BLOCK = 32
+
+
+class LogitStats(NamedTuple):
+  """Per-row statistics of processed logits (each field ``(R,)``, or scalars for one row).
+
+  Attributes:
+    top: the largest finite logit (0 for a broken row).
+    scale: the temperature (1 for greedy rows).
+    norm: ``S``, the sum of ``exp(z)`` over the kept set.
+    cut_value: ``t``, a logit: entries with ``x > t`` are kept ...
+    cut_id: ... and those with ``x == t`` and a global id ``< cut_id``.
+    argmax: the lowest global id of the largest logit (greedy rows: a point mass there).
+    greedy: temperature not ``> 0``.
+    broken: a NaN or ``+inf`` logit, or no finite one: the row reads as NaN.
+  """
+
+  top: jax.Array
+  scale: jax.Array
+  norm: jax.Array
+  cut_value: jax.Array
+  cut_id: jax.Array
+  argmax: jax.Array
+  greedy: jax.Array
+  broken: jax.Array
+
+
+class LogitRows(NamedTuple):
+  """Logit rows ``(R, V)`` (``V / n`` per device when sharded) and their :class:`LogitStats`.
+
+  A row source for every rule: :func:`~specdec_jax._rows.reader` reads probabilities from it.
+  ``column``: the global id of the first column held here (0 unsharded).
+  """
+
+  logits: jax.Array
+  stats: LogitStats
+  column: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.logits.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.logits.ndim
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """The dtype of the probabilities read (at least float32)."""
+    return compute_dtype(self.logits.dtype)
+
+
+def scaled(x: jax.Array, top, scale) -> jax.Array:
+  """``z = (x - top) / scale`` over the finite logits, ``-inf`` elsewhere (as
+  :func:`~specdec_jax._process.scaled_logits`, bit for bit)."""
+  return jnp.where(jnp.isfinite(x), (x - top) / scale, -jnp.inf)
+
+
+def row_probs(stats: LogitStats, x: jax.Array, ids: jax.Array) -> jax.Array:
+  """Probabilities of entries ``x`` (logits) with global ids ``ids`` of the row(s) ``stats``.
+
+  ``stats`` fields broadcast against ``x`` (one row's scalars, or one per entry).
+  """
+  dtype = stats.norm.dtype
+  x = x.astype(dtype)
+  z = (x - stats.top) / stats.scale  # `scaled` on rows that are not broken
+  kept = (x > stats.cut_value) | ((x == stats.cut_value) & (ids < stats.cut_id))
+  probs = jnp.where(kept, jnp.exp(z) / stats.norm, jnp.zeros((), dtype))
+  probs = jnp.where(stats.greedy, (ids == stats.argmax).astype(dtype), probs)
+  return jnp.where(stats.broken, jnp.asarray(jnp.nan, dtype), probs)
+
+
+def row_loop(fn, xs):
+  """``fn`` over the leading axis of ``xs``: a loop on XLA:CPU (each row read once while it is
+  in cache, and ``lax.cond`` inside ``fn`` skips work per row), ``jax.vmap`` elsewhere."""
+  def looped(*xs):
+    return lax.map(lambda row: fn(*row), xs)
+
+  def vectorised(*xs):
+    return jax.vmap(fn)(*xs)
+
+  return lax.platform_dependent(*xs, cpu=looped, default=vectorised)
+
+
+def _row_basics(x, temperature, axis_name):
+  """``(top, scale, greedy, broken, argmax, norm)`` of one row ``(V,)``: the max, the flags and
+  the argmax in one read, then (sampled rows only) ``S = sum(exp(z))`` over the whole row."""
+  dtype = x.dtype
+  vocab_local = x.shape[-1]
+  greedy = ~(temperature > 0)
+  scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
+  finite = jnp.isfinite(x)
+  bad = any_if(jnp.any(jnp.isnan(x) | (x == jnp.inf)), axis_name)
+  broken = bad | ~any_if(jnp.any(finite), axis_name)
+  top = reduce_if(lax.pmax, jnp.max(jnp.where(finite, x, -jnp.inf)), axis_name)
+  top = jnp.where(broken, jnp.zeros((), dtype), top)
+  local_arg = jnp.argmax(x).astype(jnp.int32)
+  if axis_name is None:
+    argmax = local_arg
+  else:  # the lowest global id attaining the global max (of the raw values, as jnp.argmax)
+    local_max = jnp.max(x)
+    first = lax.axis_index(axis_name).astype(jnp.int32) * vocab_local
+    winner = local_max == lax.pmax(local_max, axis_name)
+    argmax = lax.pmin(jnp.where(winner, first + local_arg, full_vocab(vocab_local, axis_name)),
+                      axis_name)
+
+  def norm():
+    return reduce_if(lax.psum, jnp.sum(jnp.exp(scaled(x, top, scale))), axis_name)
+
+  total = lax.cond(~greedy & ~broken, norm, lambda: jnp.zeros((), dtype) + jnp.zeros_like(top))
+  return top, scale, greedy, broken, argmax, total
+
+
+def block_maxima(x: jax.Array, block: int = BLOCK) -> jax.Array:
+  """``(R, ceil(V / block))`` maxima of consecutive blocks of rows ``x`` ``(R, V)`` (NaN
+  propagates): one streamed read."""
+  rows, vocab = x.shape
+  full = vocab // block * block
+  parts = []
+  if full:
+    parts.append(jnp.max(x[:, :full].reshape(rows, full // block, block), axis=-1))
+  if vocab > full:
+    parts.append(jnp.max(x[:, full:], axis=-1, keepdims=True))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
+def _block_columns(blocks: jax.Array, vocab: int, block: int) -> tuple[jax.Array, jax.Array]:
+  """``(columns (R, n * block), inside)``: the ids of the entries of ``blocks`` ``(R, n)``."""
+  columns = (blocks[..., None] * block + jnp.arange(block, dtype=jnp.int32)[None, None, :]
+             ).reshape(blocks.shape[0], -1)
+  return jnp.minimum(columns, vocab - 1), columns < vocab
+
+
+def top_candidates(x: jax.Array, maxima: jax.Array, count: int,
+                   block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
+  """``(values, ids)`` ``(R, count)``: the ``count`` largest entries of each row, descending.
+
+  Two small selections instead of one over ``V``: the ``count`` blocks with the largest maxima
+  hold every entry above the ``count``-th largest (each other block's maximum is below
+  ``count`` entries of those blocks), so the largest ``count`` of their entries are the row's.
+  Which of several entries tied at the smallest value is returned is unspecified (callers
+  check that their cut lies above it).
+  """
+  vocab = x.shape[-1]
+  nblocks = maxima.shape[-1]
+  _, blocks = lax.top_k(maxima, min(count, nblocks))
+  columns, inside = _block_columns(blocks.astype(jnp.int32), vocab, block)
+  values = jnp.where(inside, jnp.take_along_axis(x, columns, axis=-1),
+                     jnp.asarray(-jnp.inf, x.dtype))
+  values, at = lax.top_k(values, min(count, values.shape[-1]))
+  return values, jnp.take_along_axis(columns, at, axis=-1)
+
+
+def _first_max(x: jax.Array, maxima: jax.Array, top: jax.Array, block: int = BLOCK):
+  """The lowest id of each row's maximum ``top`` (``jnp.argmax`` for rows without NaN/+inf),
+  from the block maxima: the first block that attains it, then the first entry in it."""
+  nblocks = maxima.shape[-1]
+  index = jnp.arange(nblocks, dtype=jnp.int32)
+  first_block = jnp.min(jnp.where(maxima == top[:, None], index, nblocks - 1), axis=-1)
+  columns, inside = _block_columns(first_block[:, None], x.shape[-1], block)
+  hits = inside & (jnp.take_along_axis(x, columns, axis=-1) == top[:, None])
+  return jnp.min(jnp.where(hits, columns, x.shape[-1] - 1), axis=-1).astype(jnp.int32)
+
+
+def _per_row(params, name, rows, dtype):
+  """Field ``name`` of ``params`` as ``(rows,)`` of ``dtype`` (None stays None)."""
+  value = getattr(params, name)
+  if value is None:
+    return None
+  return jnp.broadcast_to(jnp.asarray(value), (rows,)).astype(dtype)
+
+
+def _bisected_row(x, top, scale, k_eff, top_p, *, axis_name):
+  """``(t, cut, S)`` of one row by the sort-free masks of :mod:`specdec_jax._threshold`:
+  exactly :func:`~specdec_jax._process.process_row`'s kept set and normaliser. A step that
+  does not cut this row (``k_eff = V``, ``top_p >= 1``) is skipped (``lax.cond``)."""
+  dtype = x.dtype
+  vocab = full_vocab(x.shape[-1], axis_name)
+  z = scaled(x, top, scale)
+  every = (z == z) | True  # typed like the row (inside shard_map: varying over its axis)
+  keep = every
+  if k_eff is not None:
+    keep = lax.cond(k_eff < vocab, lambda: top_k_mask(z, k_eff, axis_name), lambda: every)
+  if top_p is not None:
+    clipped = jnp.clip(top_p, jnp.finfo(dtype).tiny, 1)
+    masked = jnp.where(keep, z, -jnp.inf)
+    keep = keep & lax.cond(
+      clipped < 1, lambda: top_p_mask(masked, softmax(masked, axis_name), clipped, axis_name),
+      lambda: every)
+  first = 0 if axis_name is None else lax.axis_index(axis_name).astype(jnp.int32) * x.shape[-1]
+  ids = first + jnp.arange(x.shape[-1], dtype=jnp.int32)
+  t = reduce_if(lax.pmin, jnp.min(jnp.where(keep, x, jnp.inf)), axis_name)
+  cut = reduce_if(lax.pmax, jnp.max(jnp.where(keep & (x == t), ids, -1)), axis_name) + 1
+  norm = reduce_if(lax.psum, jnp.sum(jnp.where(keep, jnp.exp(z), jnp.zeros((), dtype))),
+                   axis_name)
+  return t, cut.astype(jnp.int32), norm
+
+
+def _candidates_settle(vals, idx, top, scale, norm_all, k_eff, top_p, vocab):
+  """``(t, cut, S, settled)`` per row from its largest logits ``vals`` (ids ``idx``).
+
+  The candidates are re-ordered by ``(x desc, id asc)``; the kept prefix is cut after top-k,
+  then after the first candidate whose preceding top-p mass is ``>= top_p``. The row is
+  settled when the cut's tie group lies inside the candidates (its logit is above the smallest
+  candidate's), or every entry is a candidate.
+  """
+  dtype = top.dtype
+  candidates = vals.shape[-1]
+  neg, ids = lax.sort((-vals.astype(dtype), idx.astype(jnp.int32)), dimension=-1, num_keys=2)
+  xs = -neg
+  zs = scaled(xs, top[:, None], scale[:, None])
+  j = jnp.arange(candidates, dtype=jnp.int32)[None, :]
+  if k_eff is None:
+    k_eff = jnp.full(top.shape, vocab, jnp.int32)
+  in_k = j < k_eff[:, None]
+  e = jnp.where(in_k, jnp.exp(zs), jnp.zeros((), dtype))
+  k_cuts = k_eff < vocab
+  norm_k = jnp.where(k_cuts, jnp.sum(e, axis=-1), norm_all)
+  kept = jnp.minimum(k_eff, candidates)
+  p_cuts = jnp.zeros(top.shape, bool)
+  if top_p is not None:
+    clipped = jnp.clip(top_p, jnp.finfo(dtype).tiny, 1)
+    mass = e / norm_k[:, None]
+    before = jnp.concatenate([jnp.zeros_like(mass[:, :1]), jnp.cumsum(mass, axis=-1)[:, :-1]],
+                             axis=-1)
+    fits = in_k & ((before < clipped[:, None]) | (clipped[:, None] >= 1))
+    p_cuts = clipped < 1
+    kept = jnp.where(p_cuts, jnp.sum(fits, axis=-1, dtype=jnp.int32), kept)
+  last = jnp.maximum(kept - 1, 0)
+  t = jnp.take_along_axis(xs, last[:, None], axis=-1)[:, 0]
+  cut = jnp.take_along_axis(ids, last[:, None], axis=-1)[:, 0] + 1
+  norm = jnp.sum(jnp.where(j < kept[:, None], e, jnp.zeros((), dtype)), axis=-1)
+  keep_all = ~k_cuts & ~p_cuts
+  # Settled: the cut's tie group lies inside the candidates, and so does the top-k set
+  # whose normaliser top-p reads.
+  settled = keep_all | (((candidates >= vocab) | (t > xs[:, -1]))
+                        & (~k_cuts | (k_eff <= candidates)))
+  t = jnp.where(keep_all, -jnp.inf, t)
+  cut = jnp.where(keep_all, vocab, cut)
+  norm = jnp.where(keep_all, norm_all, norm)
+  return t, cut.astype(jnp.int32), norm, settled
+
+
+def logit_stats(logits: jax.Array, params, axis_name: str | None = None) -> LogitStats:
+  """:class:`LogitStats` of rows ``(R, V)`` with per-row ``params`` (fields ``(R,)``, scalars,
+  or None to remove a step at trace time); ``axis_name``: the rows are this device's columns.
+
+  Out-of-range parameters are clipped as :func:`~specdec_jax._process.process_row` clips them
+  (the caller flags ``BAD_PARAMS``).
+  """
+  rows, vocab_local = logits.shape
+  vocab = full_vocab(vocab_local, axis_name)
+  dtype = compute_dtype(logits.dtype)
+  x = logits.astype(dtype)
+  temperature = jnp.broadcast_to(jnp.asarray(params.temperature, dtype), (rows,))
+  k = None if params.top_k is None else jnp.broadcast_to(jnp.asarray(params.top_k), (rows,))
+  # Compared in its own dtype before the int32 cast (a wide k cannot wrap into range).
+  k_eff = None if k is None else jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
+  top_p = _per_row(params, "top_p", rows, dtype)
+  zeros = jnp.zeros((rows,), dtype)
+  maxima = None
+  if axis_name is None:
+    # One read: block maxima; the row max, the flags and (from one block) the argmax follow.
+    maxima = block_maxima(logits)
+    raw_top = jnp.max(maxima, axis=-1)
+    broken = ~jnp.isfinite(raw_top)  # NaN or +inf somewhere (max propagates), or all -inf
+    top = jnp.where(broken, zeros, raw_top.astype(dtype))
+    argmax = _first_max(logits, maxima, raw_top)
+    greedy = ~(temperature > 0)
+    scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
+
+    def full_norm():  # one more read, only if some row samples
+      # Plain (x - top) / T: equal to `scaled` on every row that is not broken (-inf stays
+      # -inf), and 3x faster on XLA:CPU without the select; broken rows read as NaN anyway.
+      return jnp.sum(jnp.exp((x - top[:, None]) / scale[:, None]), axis=-1)
+
+    norm_all = lax.cond(jnp.any(~greedy & ~broken), full_norm, lambda: zeros)
+  else:
+    top, scale, greedy, broken, argmax, norm_all = row_loop(
+      lambda xr, tr: _row_basics(xr, tr, axis_name), (x, temperature))
+  sampled = ~greedy & ~broken
+  typed = jnp.zeros_like(top)  # typed like the statistics (inside shard_map: the same axes)
+  keep_all = (typed - jnp.inf, typed.astype(jnp.int32) + vocab, norm_all)
+  cutting = jnp.zeros((rows,), bool)
+  if k_eff is not None:
+    cutting = cutting | (k_eff < vocab)
+  if top_p is not None:
+    cutting = cutting | (jnp.clip(top_p, jnp.finfo(dtype).tiny, 1) < 1)
+  cutting = cutting & sampled
+
+  def bisect(rows_to_cut):
+    """The bisection, one row at a time (the row stays in cache), for ``rows_to_cut``."""
+    def one(args):
+      needed, *row = args
+      zero = jnp.zeros_like(row[1])  # typed like the row's statistics (shard_map's axes)
+      return lax.cond(needed, lambda: _bisected_row(*row, axis_name=axis_name),
+                      lambda: (zero - jnp.inf, zero.astype(jnp.int32) + vocab, zero))
+    return row_loop(lambda *args: one(args), (rows_to_cut, x, top, scale, k_eff, top_p))
+
+  if k is None and top_p is None:
+    return LogitStats(top, scale, norm_all, *keep_all[:2], argmax, greedy, broken)
+  if axis_name is not None:
+    def cut_rows():
+      return bisect(cutting)
+  else:
+    def cut_rows():
+      values, ids = top_candidates(logits, maxima, min(CANDIDATES, vocab_local))
+      t, cut, norm, settled = _candidates_settle(values, ids, top, scale, norm_all, k_eff,
+                                                 top_p, vocab)
+      pending = cutting & ~settled
+      slow = lax.cond(jnp.any(pending), lambda: bisect(pending), lambda: (t, cut, norm))
+      return tuple(jnp.where(pending, s, f) for s, f in zip(slow, (t, cut, norm), strict=True))
+
+  t, cut, norm = lax.cond(jnp.any(cutting), cut_rows, lambda: keep_all)
+  t, cut, norm = (jnp.where(cutting, a, b) for a, b in zip((t, cut, norm), keep_all, strict=True))
+  return LogitStats(top, scale, norm, t, cut.astype(jnp.int32), argmax, greedy, broken)
+
+
+def lazy_rows(logits: jax.Array, params, axis_name: str | None = None) -> LogitRows:
+  """:class:`LogitRows` of ``(R, V)`` logits (this device's columns with ``axis_name``)."""
+  column = (jnp.int32(0) if axis_name is None
+            else lax.axis_index(axis_name).astype(jnp.int32) * logits.shape[-1])
+  return LogitRows(logits, logit_stats(logits, params, axis_name), column)
+
+
+def sequence_params(params, rows: int):
+  """One sequence's scalar parameters, broadcast to its ``rows`` rows (None stays None)."""
+  return type(params)(*(None if v is None else jnp.broadcast_to(jnp.asarray(v), (rows,))
+                        for v in params))
+
+
+__all__ = ["CANDIDATES", "LogitRows", "LogitStats", "lazy_rows", "logit_stats", "row_probs"]
