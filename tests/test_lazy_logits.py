@@ -151,6 +151,10 @@ def _packed_case(seed, batch=12, spec=4, vocab=300):
   return n, target, draft, params, ids, rng.random((batch, spec + 1)).astype(np.float32)
 
 
+#: process_logits on each row with its own parameters (one compiled call for all rows).
+PROCESS = jax.jit(jax.vmap(lambda x, t, k, p: sd.process_logits(x, sd.SamplingParams(t, k, p))))
+
+
 @pytest.mark.parametrize("rule", ["token", "block"])
 def test_packed_from_logits_equals_processed_probabilities(rule):
   """Token for token: packed_verify on logits (lazy rows) and on the rows processed eagerly
@@ -161,9 +165,7 @@ def test_packed_from_logits_equals_processed_probabilities(rule):
     owners_d = np.repeat(np.arange(len(n)), n)
 
     def process(rows, owners, params=params):
-      return np.stack([np.asarray(sd.process_logits(
-        rows[i], sd.SamplingParams(*(np.asarray(f)[owners[i]] for f in params))))
-        for i in range(len(rows))]) if len(rows) else rows
+      return np.asarray(PROCESS(rows, *(np.asarray(f)[owners] for f in params)))
 
     kw = dict(max_spec_len=4, rule=rule, uniforms=u)
     got = sd.packed_verify(ids, n, target_logits=target, draft_logits=draft, params=params, **kw)

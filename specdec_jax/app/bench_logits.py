@@ -176,10 +176,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--markdown", action="store_true")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--tiny", action="store_true", help="B 4, V 1000 (a smoke test)")
+  parser.add_argument("--tiny", action="store_true",
+                      help="B 4, V 1000, two mixes (a smoke test)")
   args = parser.parse_args(argv)
   if args.tiny:
     args.batch, args.vocab, args.repeats = [4], [1000], 1
+    args.mixes = ["top-k+top-p", "greedy-mixed"]
   return args
 
 
