@@ -289,7 +289,7 @@ MUTANTS: tuple[Mutant, ...] = (
      "one_hot = jax.nn.one_hot(vocab - 1 - jnp.argmax(logits[::-1]), vocab, dtype=dtype)",
      "greedy point mass on the last maximal logit, not the first", T_LOGITS, "-k", "ties"),
   _m("lazy-settled-ties", "_lazy.py",
-     "| (t > zs[:, -1]))", "| (t >= zs[:, -1]))",
+     "| (t > xs[:, -1]))", "| (t >= xs[:, -1]))",
      "lazy logits: a cut tied with the smallest candidate counts as settled", T_LAZY),
   _m("lazy-cut-id", "_lazy.py",
      "cut = jnp.take_along_axis(ids, last[:, None], axis=-1)[:, 0] + 1",
