@@ -1,9 +1,10 @@
 """Every rule from logits: the rows processed with per-request ``SamplingParams``, then the rule.
 
 Serving engines hand a verifier logits and per-request temperature / top-k / top-p, never
-normalised probabilities. The bodies here process a sequence's rows (target, and draft when
-given; greedy rows become point masses on the argmax) and run a rule of
-:mod:`~specdec_jax._rules` on them, on one device or over vocabulary shards (``axis_name``:
+normalised probabilities. The bodies here make a sequence's rows (target, and draft when given;
+greedy rows are point masses on the argmax) a lazily processed row source
+(:mod:`specdec_jax._lazy`: per-row statistics, probabilities computed where read) and run a rule
+of :mod:`~specdec_jax._rules` on it, on one device or over vocabulary shards (``axis_name``:
 the row statistics are combined with scalar collectives, no device gathers a row).
 :func:`verify_logits` (token-wise or block) and :func:`tree_verify_logits` are the
 one-sequence entry points; the layouts (packed, vocab-parallel) reuse the bodies.

@@ -162,9 +162,11 @@ def packed_verify(draft_token_ids: ArrayLike, num_draft_tokens: ArrayLike, *, ma
   past the counts are never read.
 
   Nothing of shape ``(B, max_spec_len, V)`` is formed: per request the ``2 * n_i``
-  gathered probabilities and the stop row are read from the packed arrays (with
-  ``target_logits``, every row is processed once, in place of the array; the sort-free
-  top-k/top-p of :func:`~specdec_jax.process_logits`).
+  gathered probabilities and the stop row are read from the packed arrays. With
+  ``target_logits`` no processed copy is made either: each row gets a few statistics (its max,
+  normaliser and top-k/top-p cut, :mod:`specdec_jax._lazy`) and probabilities are computed only
+  where the rule reads them, equal to :func:`~specdec_jax.process_logits`'s (the same kept
+  tokens; values equal up to the rounding of the normaliser).
 
   Multi-host: see the README, "Running on many devices and hosts". Vocabulary-sharded rows:
   :func:`~specdec_jax.vocab_parallel_packed_verify` (the same call over a mesh).
