@@ -41,7 +41,7 @@ import specdec_jax
 from specdec_jax import SamplingParams
 from specdec_jax._logits import process_rows
 from specdec_jax.app.baselines import eager_packed_sampler
-from specdec_jax.app.bench_packed import _f
+from specdec_jax.app.bench_packed import cell
 from specdec_jax.app.bench_packed import median_ms
 from specdec_jax.app.tables import format_table
 
@@ -138,8 +138,8 @@ def timings(case: dict, mix: str, repeats: int) -> list[str]:
     raise RuntimeError("packed_verify flagged the benchmark inputs")
   t = {"ours": median_ms(ours, repeats), "floor": median_ms(floor, repeats),
        "peer": median_ms(peer, max(1, repeats // 2))}
-  return [case["kind"], str(batch), str(case["vocab"]), mix, _f(t["ours"]), _f(t["floor"]),
-          _f(t["ours"] / t["floor"], "x"), _f(t["peer"]), _f(t["peer"] / t["ours"], "x")]
+  return [case["kind"], str(batch), str(case["vocab"]), mix, cell(t["ours"]), cell(t["floor"]),
+          cell(t["ours"] / t["floor"], "x"), cell(t["peer"]), cell(t["peer"] / t["ours"], "x")]
 
 
 def run(args: argparse.Namespace) -> str:

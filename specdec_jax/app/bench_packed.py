@@ -140,9 +140,10 @@ def probability_row(case: dict, repeats: int) -> list[str]:
                                                     key), repeats),
   }
   t = times
-  return [str(case["batch"]), str(case["vocab"]), f"{np.mean(counts):.2f}", _f(t["packed"]),
-          _f(t["floor"]), _f(t["packed"] / t["floor"], "x"), _f(t["gather"]),
-          _f(t["gather"] / t["packed"], "x"), _f(t["eager"]), _f(t["eager"] / t["packed"], "x")]
+  return [str(case["batch"]), str(case["vocab"]), f"{np.mean(counts):.2f}", cell(t["packed"]),
+          cell(t["floor"]), cell(t["packed"] / t["floor"], "x"), cell(t["gather"]),
+          cell(t["gather"] / t["packed"], "x"), cell(t["eager"]),
+          cell(t["eager"] / t["packed"], "x")]
 
 
 def logits_row(case: dict, repeats: int) -> list[str]:
@@ -169,11 +170,12 @@ def logits_row(case: dict, repeats: int) -> list[str]:
     print("note: sort-free and sorted processing differ on a top-p boundary within rounding",
           file=sys.stderr)
   t_packed, t_sorted = median_ms(packed, repeats), median_ms(sorted_path, repeats)
-  return [str(batch), str(case["vocab"]), f"{np.mean(case['counts']):.2f}", _f(t_packed),
-          _f(t_sorted), _f(t_sorted / t_packed, "x")]
+  return [str(batch), str(case["vocab"]), f"{np.mean(case['counts']):.2f}", cell(t_packed),
+          cell(t_sorted), cell(t_sorted / t_packed, "x")]
 
 
-def _f(value: float, suffix: str = "") -> str:
+def cell(value: float, suffix: str = "") -> str:
+  """A time or ratio as a table cell: 3 significant digits, then no decimals from 100 on."""
   if value >= 100:
     return f"{value:.0f}{suffix}"
   if value >= 10:
