@@ -357,6 +357,8 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None) -> Logi
       values, ids = top_candidates(logits, maxima, min(CANDIDATES, vocab_local))
       t, cut, norm, settled = _candidates_settle(values, ids, top, scale, norm_all, k_eff,
                                                  top_p, vocab)
+      if vocab_local <= CANDIDATES:  # the candidates are the whole row: every row settles,
+        return t, cut, norm         # and no fallback is compiled
       pending = cutting & ~settled
       slow = lax.cond(jnp.any(pending), lambda: bisect(pending), lambda: (t, cut, norm))
       return tuple(jnp.where(pending, s, f) for s, f in zip(slow, (t, cut, norm), strict=True))
