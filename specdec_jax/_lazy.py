@@ -161,6 +161,37 @@ def _row_basics(x, temperature, axis_name):
   return top, scale, greedy, broken, argmax, total
 
 
+#: Longest stretch of a row that one summation reads (see :func:`exp_sums`).
+PIECE = 32768
+
+
+def _pieces(vocab: int) -> int:
+  """The fewest equal pieces, each at most :data:`PIECE` long, that a row of ``vocab`` splits
+  into (1 when ``vocab`` has no such divisor below 64: the row is summed whole)."""
+  for count in range(1, 65):
+    if vocab % count == 0 and vocab // count <= PIECE:
+      return count
+  return 1
+
+
+def exp_sums(x: jax.Array, top: jax.Array, scale: jax.Array) -> jax.Array:
+  """``sum(exp((x - top) / scale))`` per row of ``x`` ``(R, V)`` (``top``, ``scale`` ``(R,)``).
+
+  A long row is summed as equal pieces of at most :data:`PIECE` entries, laid out as rows of
+  their own, then the pieces added: XLA:CPU's reduction of rows of V = 128,256 costs 7x more
+  per entry, over a batch of 800 rows, than the same entries as rows of 32,064 (measured:
+  238 ms -> 35 ms). The reshape is free (the pieces are contiguous).
+  """
+  rows, vocab = x.shape
+  count = _pieces(vocab)
+  if count == 1:
+    return jnp.sum(jnp.exp((x - top[:, None]) / scale[:, None]), axis=-1)
+  pieces = x.reshape(rows * count, vocab // count)
+  sums = jnp.sum(jnp.exp((pieces - jnp.repeat(top, count)[:, None])
+                         / jnp.repeat(scale, count)[:, None]), axis=-1)
+  return jnp.sum(sums.reshape(rows, count), axis=-1)
+
+
 def block_maxima(x: jax.Array, block: int = BLOCK) -> jax.Array:
   """``(R, ceil(V / block))`` maxima of consecutive blocks of rows ``x`` ``(R, V)`` (NaN
   propagates): one streamed read."""
@@ -322,7 +353,7 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None) -> Logi
     def full_norm():  # one more read, only if some row samples
       # Plain (x - top) / T: equal to `scaled` on every row that is not broken (-inf stays
       # -inf), and 3x faster on XLA:CPU without the select; broken rows read as NaN anyway.
-      return jnp.sum(jnp.exp((x - top[:, None]) / scale[:, None]), axis=-1)
+      return exp_sums(x, top, scale)
 
     norm_all = lax.cond(jnp.any(~greedy & ~broken), full_norm, lambda: zeros)
   else:

@@ -110,6 +110,21 @@ def test_lm_sized_rows_every_path(flat):
   assert_same(x, temperature, top_k, top_p)
 
 
+@pytest.mark.parametrize("vocab", [40_000, 32_771, 131_072])
+def test_long_rows_are_summed_in_pieces(vocab):
+  """Rows longer than ``PIECE`` are summed as equal pieces (2 of 20,000; 4 of 32,768); a row
+  with no such divisor (the prime 32,771) whole: the normaliser equals float64's to 1e-6."""
+  count = lazy._pieces(vocab)
+  assert count == {40_000: 2, 32_771: 1, 131_072: 4}[vocab]
+  rng = np.random.default_rng(5)
+  x = rng.normal(scale=3.0, size=(3, vocab)).astype(np.float32)
+  x[1, ::7] = -np.inf
+  top, scale = x.max(-1), np.array([1.0, 0.6, 1.7], np.float32)
+  got = np.asarray(jax.jit(lazy.exp_sums)(x, top, scale))
+  want = np.exp((x.astype(np.float64) - top[:, None]) / scale[:, None]).sum(-1)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_batch_level_branches_change_no_row():
   """A row's statistics do not depend on what the other rows use (top-k, top-p, greedy, a row
   that needs the fallback), nor on whether a step is removed at trace time (None)."""

@@ -306,6 +306,11 @@ MUTANTS: tuple[Mutant, ...] = (
      "  norm = jnp.sum(jnp.where(j < kept[:, None], e, jnp.zeros((), dtype)), axis=-1)",
      "  norm = norm_all",
      "lazy logits: the normaliser of the whole row after top-k/top-p", T_LAZY),
+  _m("lazy-pieces-stride", "_lazy.py",
+     "  pieces = x.reshape(rows * count, vocab // count)",
+     "  pieces = x.T.reshape(rows * count, vocab // count)",
+     "lazy logits: a long row's pieces taken across rows instead of along it", T_LAZY,
+     "-k", "pieces"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",
