@@ -355,7 +355,13 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None) -> Logi
       # -inf), and 3x faster on XLA:CPU without the select; broken rows read as NaN anyway.
       return exp_sums(x, top, scale)
 
-    norm_all = lax.cond(jnp.any(~greedy & ~broken), full_norm, lambda: zeros)
+    # Needed by the sampled rows that top-k does not cut (a row top-k cuts takes its
+    # normaliser from the candidates or the bisection): none in a batch where every sampled
+    # row has a top-k.
+    reads_all = ~greedy & ~broken
+    if k_eff is not None:
+      reads_all = reads_all & (k_eff >= vocab)
+    norm_all = lax.cond(jnp.any(reads_all), full_norm, lambda: zeros)
   else:
     top, scale, greedy, broken, argmax, norm_all = row_loop(
       lambda xr, tr: _row_basics(xr, tr, axis_name), (x, temperature))
