@@ -189,6 +189,25 @@ def test_flat_tokens_is_tpu_inference_layout():
   np.testing.assert_array_equal(flat, want)
 
 
+def test_flat_tokens_refuses_a_buffer_that_drops_tokens_and_bad_counts():
+  """Issue 23, items 4 and 17: fewer slots than drafts, a negative or non-int ``num_slots``,
+  counts of the wrong length or beyond int32: a clear error, never tokens dropped silently."""
+  _, n, _, _, _, u, pack = _batch(1)
+  result = packed_verify(pack["ids"], n, max_spec_len=4, target_probs=pack["interleaved"],
+                         draft_probs=pack["q"], uniforms=u, bonus_rows=True)
+  total = int(n.sum())
+  with pytest.raises(ValueError, match=rf"flat_tokens: `num_slots` must be >= .*\({total}\)"):
+    flat_tokens(result, n, num_slots=total - 1)
+  for slots in (-1, 2.5, "8"):
+    with pytest.raises(ValueError, match="flat_tokens: `num_slots` must be a static int"):
+      flat_tokens(result, n, num_slots=slots)
+  with pytest.raises(ValueError, match=r"`num_draft_tokens` must have shape \(\d+,\)"):
+    flat_tokens(result, n[:-1], num_slots=total)
+  with pytest.raises(ValueError, match="fit in int32"):
+    flat_tokens(result, n.astype(np.int64) + 2**32, num_slots=total)
+  assert flat_tokens(result, n, num_slots=total).shape == (total + len(n),)  # exactly enough
+
+
 def test_engine_conventions_map_to_greedy_and_disabled():
   t = np.array([-1.0, 0.0, 1e-7, 0.5], np.float32)
   k = np.array([-1, 0, 5, 1 << 30], np.int32)

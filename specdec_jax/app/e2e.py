@@ -166,7 +166,7 @@ class Setup:
     return draft.partition("+")[0].removesuffix("-adaptive") in self.drafts
 
   def encode(self, user_message: str) -> list[int]:
-    return self.tokenizer.encode(self.tokenizer.chat_prompt(user_message))
+    return self.tokenizer.chat_ids(user_message)
 
 
 def _timed(fn, repeats: int) -> tuple[object, float, float]:

@@ -16,9 +16,12 @@ Byte-level BPE is lossless: ``decode(encode(text)) == text`` for any string.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
+from specdec_jax.app.chat_template import ChatTemplateError
 from specdec_jax.app.chat_template import chat_prompt
 from specdec_jax.app.gguf import INSTALL
 from specdec_jax.app.gguf import metadata
@@ -66,6 +69,7 @@ class Tokenizer:
     self.eos_id = eos_id
     self.special_tokens = dict(special_tokens)
     self.chat_template = chat_template
+    self._literal: Any = None
 
   @classmethod
   def from_gguf(cls, source: Any) -> Tokenizer:
@@ -132,6 +136,62 @@ class Tokenizer:
       The token ids.
     """
     return self.hf.encode(text, add_special_tokens=False).ids
+
+  def encode_literal(self, text: str) -> list[int]:
+    """Token ids of ``text`` with no control token: ``<|im_end|>`` written in the text is
+    encoded as the characters it is made of, as any other text (for text that a user wrote).
+
+    Args:
+      text: any string.
+
+    Returns:
+      The token ids, none of them a control token's.
+    """
+    if self._literal is None:  # a copy that reads control-token text as text (thread-safe)
+      self._literal = type(self.hf).from_str(self.hf.to_str())
+      self._literal.encode_special_tokens = True
+    return self._literal.encode(text, add_special_tokens=False).ids
+
+  def chat_ids(self, user_message: str, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat prompt in which only the template writes control tokens.
+
+    When a message holds the text of a control token, the template is rendered
+    (:meth:`chat_prompt`) with a placeholder for each message; the text between the
+    placeholders (the template's own: ``<|im_start|>user\\n``, ...) is encoded with its control
+    tokens, the messages with :meth:`encode_literal`. A message that spells
+    ``<|im_end|>\\n<|im_start|>system`` therefore cannot close its turn or open another: it is
+    text the model reads inside the user's turn. Otherwise the prompt is encoded whole (the
+    same ids as ``encode(chat_prompt(...))``).
+
+    Args:
+      user_message: the user's turn (untrusted text).
+      system: a system message, sent first (also encoded literally); None sends none.
+
+    Returns:
+      The prompt's token ids, ready for the assistant's reply.
+
+    Raises:
+      ValueError: the file has no chat template.
+      ChatTemplateError: the template changes a message's text (trims or rewrites it), so the
+        messages cannot be placed literally.
+    """
+    real = self.chat_prompt(user_message, system)
+    texts = [user_message] if system is None else [system, user_message]
+    if not any(token in text for text in texts for token in self.special_tokens):
+      return self.encode(real)  # nothing to escape: the whole prompt as one text
+    marks = [f"\ue000{secrets.token_hex(8)}\ue001" for _ in texts]
+    literal = dict(zip(marks, texts, strict=True))
+    rendered = self.chat_prompt(marks[-1], None if system is None else marks[0])
+    parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered)
+    if "".join(literal.get(part, part) for part in parts) != real:
+      raise ChatTemplateError(
+        "Tokenizer.chat_ids: the chat template changes the message text (trims or rewrites "
+        "it), so the messages cannot be encoded literally; encode the rendered chat_prompt() "
+        "yourself if you trust its text")
+    ids: list[int] = []
+    for part in parts:
+      ids += self.encode_literal(literal[part]) if part in literal else self.encode(part)
+    return ids
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
     """The text of ``ids`` (bytes that do not form complete UTF-8 characters become U+FFFD).

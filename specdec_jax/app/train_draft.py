@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   _say(True, "loading SmolLM2-135M-Instruct ...")
   params, config, tokenizer = smollm2.load_smollm2(progress=True)
   target = make_model(params, config)
-  prompts = [tokenizer.encode(tokenizer.chat_prompt(p)) for p in TRAIN_PROMPTS]
+  prompts = [tokenizer.chat_ids(p) for p in TRAIN_PROMPTS]
   _say(True, f"generating the corpus: {len(prompts)} prompts x {args.temperatures}")
   if args.corpus is not None and args.corpus.exists():
     with np.load(args.corpus) as z:
