@@ -13,6 +13,7 @@ from specdec_jax._adapter import speculative_step
 from specdec_jax._block import block_verify
 from specdec_jax._block import block_verify_with_key
 from specdec_jax._engine import engine_params
+from specdec_jax._engine import flat_tokens
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import describe_error
 from specdec_jax._from_logits import tree_verify_logits
@@ -24,7 +25,6 @@ from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import process_logits
 from specdec_jax._logits import sample_draft
 from specdec_jax._packed import PackedVerifyResult
-from specdec_jax._packed import flat_tokens
 from specdec_jax._packed import packed_verify
 from specdec_jax._packed_tree import PackedTreeResult
 from specdec_jax._packed_tree import PackedTreeVerifyResult

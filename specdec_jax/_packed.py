@@ -30,7 +30,6 @@ from specdec_jax._checks import check_array
 from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
-from specdec_jax._checks import is_concrete
 from specdec_jax._engine import engine_params
 from specdec_jax._engine import row_owners
 from specdec_jax._engine import rows_params
@@ -349,63 +348,4 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
   return PackedVerifyResult(*result[:4], valid=error == 0, error=error)
 
 
-def flat_tokens(result: PackedVerifyResult, num_draft_tokens, *, num_slots: int) -> jax.Array:
-  """The flat ``[num_slots + B]`` layout of vllm-project/tpu-inference's rejection sampler.
-
-  Slot ``s_i + j`` (``s_i`` = drafts before request ``i``) holds request ``i``'s ``j``-th
-  accepted draft or its replacement token at the first rejection, ``-1`` after it; slot
-  ``num_slots + i`` holds its bonus token if it accepted every draft, else ``-1``.
-
-  Args:
-    result: a :class:`PackedVerifyResult` (``pad_id=-1``).
-    num_draft_tokens: ``(B,)`` the counts given to :func:`packed_verify`.
-    num_slots: static int ``>= T``, the length of the engine's (padded) draft buffer
-      (checked when the counts are concrete; under ``jit`` the engine's buffer holds ``T`` by
-      construction).
-
-  Returns:
-    int32 ``(num_slots + B,)``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> r = PackedVerifyResult(jnp.array([[5, 7, -1], [9, -1, -1]]), jnp.array([2, 1]),
-    ...                        jnp.array([1, 0]), jnp.array([2, 1]), jnp.array([True, True]),
-    ...                        jnp.array([0, 0]))
-    >>> flat_tokens(r, jnp.array([1, 0]), num_slots=2).tolist()   # 7 is request 0's bonus
-    [5, -1, 7, 9]
-  """
-  fn = "flat_tokens"
-  num_slots = check_static_int(fn, "num_slots", num_slots, 0)
-  batch = result.tokens.shape[0]
-  counts = host_array(fn, "num_draft_tokens", num_draft_tokens, INT)
-  check_array(fn, "num_draft_tokens", counts, 1, INT)
-  if counts.shape != (batch,):
-    raise ValueError(f"{fn}: `num_draft_tokens` must have shape ({batch},) (one count per "
-                     f"request of `result`), got {tuple(counts.shape)} instead.")
-  if is_concrete(counts):
-    total = int(np.asarray(counts, np.int64).sum())
-    if total > num_slots:
-      raise ValueError(f"{fn}: `num_slots` must be >= the number of draft tokens ({total}); "
-                       f"got {num_slots}: the accepted tokens would not fit.")
-  return _flat_tokens(result, counts, num_slots=num_slots)
-
-
-@functools.partial(jax.jit, static_argnames=("num_slots",))
-def _flat_tokens(result: PackedVerifyResult, counts, *, num_slots: int) -> jax.Array:
-  counts = jnp.asarray(counts, jnp.int32)
-  width = result.tokens.shape[1]
-  starts = jnp.cumsum(counts) - counts
-  column = jnp.arange(width, dtype=jnp.int32)
-  drafted = column[None, :] < counts[:, None]
-  emitted = column[None, :] < result.num_tokens[:, None]
-  main = jnp.where(drafted & emitted, result.tokens, -1)
-  index = jnp.where(drafted, starts[:, None] + column[None, :], num_slots)  # num_slots: dropped
-  out = jnp.full((num_slots,), -1, jnp.int32).at[index.ravel()].set(
-    main.ravel().astype(jnp.int32), mode="drop")
-  took_bonus = result.num_accepted == counts
-  bonus = jnp.where(took_bonus, jnp.take_along_axis(
-    result.tokens, jnp.minimum(counts, width - 1)[:, None], axis=1)[:, 0], -1)
-  return jnp.concatenate([out, bonus.astype(jnp.int32)])
-
-
-__all__ = ["PackedVerifyResult", "flat_tokens", "packed_verify"]
+__all__ = ["PackedVerifyResult", "packed_verify"]

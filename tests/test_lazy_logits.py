@@ -28,6 +28,7 @@ from hypothesis import settings
 
 import specdec_jax as sd
 import specdec_jax._lazy as lazy
+import specdec_jax._row_passes as row_passes
 from specdec_jax._lazy import logit_stats
 from specdec_jax._lazy import row_probs
 from tests.test_logits_threshold import OLD
@@ -114,13 +115,13 @@ def test_lm_sized_rows_every_path(flat):
 def test_long_rows_are_summed_in_pieces(vocab):
   """Rows longer than ``PIECE`` are summed as equal pieces (2 of 20,000; 4 of 32,768); a row
   with no such divisor (the prime 32,771) whole: the normaliser equals float64's to 1e-6."""
-  count = lazy._pieces(vocab)
+  count = row_passes._pieces(vocab)
   assert count == {40_000: 2, 32_771: 1, 131_072: 4}[vocab]
   rng = np.random.default_rng(5)
   x = rng.normal(scale=3.0, size=(3, vocab)).astype(np.float32)
   x[1, ::7] = -np.inf
   top, scale = x.max(-1), np.array([1.0, 0.6, 1.7], np.float32)
-  got = np.asarray(jax.jit(lazy.exp_sums)(x, top, scale))
+  got = np.asarray(jax.jit(row_passes.exp_sums)(x, top, scale))
   want = np.exp((x.astype(np.float64) - top[:, None]) / scale[:, None]).sum(-1)
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
