@@ -286,12 +286,20 @@ def packed_jit(draft_token_ids, num_draft_tokens, target_probs, target_logits, d
   if uniforms is None:
     dtypes = [target.dtype] + ([] if draft is None else [draft.dtype])
     uniforms = draw_uniforms(name, key, batch, max_spec_len + 1, compute_dtype(*dtypes))
+  sizes = (draft_token_ids.shape[0], target.shape[0], None if draft is None else draft.shape[0])
+  if draft_token_ids.shape[0] == 0:  # no request drafted (T = 0): each emits its bonus token.
+    # One unread row keeps every gather's static shapes valid; the counts are checked against
+    # the real sizes (a count claiming a draft is flagged, as for any T).
+    draft_token_ids = jnp.zeros((1,), draft_token_ids.dtype)
+    draft = None if draft is None else jnp.zeros((1, vocab), draft.dtype)
+    if not bonus_rows:
+      target = jnp.zeros((1, vocab), target.dtype)
   named = dict(draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens,
                target=target, draft=draft, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
                params=params)
   body = functools.partial(packed_body, max_spec_len=max_spec_len, bonus_rows=bonus_rows,
                            rule=rule, pad_id=pad_id, vocab=vocab,
-                           draft_is_logits=draft_logits is not None)
+                           draft_is_logits=draft_logits is not None, sizes=sizes)
   if mesh is None:
     return body(named, axis_name=None)
   check_divisible(name, target_name, vocab, mesh.shape[vocab_axis], vocab_axis)
@@ -301,7 +309,8 @@ def packed_jit(draft_token_ids, num_draft_tokens, target_probs, target_logits, d
 
 def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id: int,
                 vocab: int, draft_is_logits: bool = False,
-                axis_name: str | None = None) -> PackedVerifyResult:
+                axis_name: str | None = None,
+                sizes: tuple[int, int, int | None] | None = None) -> PackedVerifyResult:
   """The traced body of :func:`packed_verify` (``axis_name``: rows split over the vocabulary).
 
   ``named["params"]`` is None for processed probabilities, else the logits are processed per
@@ -309,7 +318,10 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
   """
   draft_token_ids, counts = named["draft_token_ids"], jnp.asarray(named["num_draft_tokens"])
   target, draft, params = named["target"], named["draft"], named["params"]
-  batch, total = counts.shape[0], draft_token_ids.shape[0]
+  # The rows the caller passed (``sizes``: before packed_jit padded a step without drafts).
+  total, target_rows, draft_rows = sizes or (
+    draft_token_ids.shape[0], target.shape[0], None if draft is None else draft.shape[0])
+  batch = counts.shape[0]
   bad_count = (counts < 0) | (counts > max_spec_len)
   counts = jnp.clip(counts, 0, max_spec_len).astype(jnp.int32)
   starts = jnp.cumsum(counts) - counts
@@ -319,9 +331,9 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
   requests = jnp.arange(batch, dtype=jnp.int32)
   p_offsets = starts + requests if bonus_rows else starts
   # Rows the counts claim beyond the arrays (values an outer jit cannot check): flagged.
-  bad_count = bad_count | (p_offsets + counts + int(bonus_rows) > target.shape[0])
+  bad_count = bad_count | (p_offsets + counts + int(bonus_rows) > target_rows)
   if draft is not None:
-    bad_count = bad_count | (starts + counts > draft.shape[0])
+    bad_count = bad_count | (starts + counts > draft_rows)
   error = flag(bad_count, ErrorCode.BAD_NUM_DRAFT)
 
   if params is not None:  # logits: each row processed with its request's parameters
@@ -334,7 +346,7 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
 
   positions = jnp.arange(max_spec_len, dtype=jnp.int32)
   slots = jnp.clip(starts[:, None] + positions[None, :], 0, max(total - 1, 0))
-  drafts = draft_token_ids[slots] if total else jnp.zeros((batch, max_spec_len), jnp.int32)
+  drafts = draft_token_ids[slots]
   rule_rows = CHAIN_RULES[rule]
 
   def one(ids, u, n, p_offset, q_offset, bonus):

@@ -208,6 +208,53 @@ def test_flat_tokens_refuses_a_buffer_that_drops_tokens_and_bad_counts():
   assert flat_tokens(result, n, num_slots=total).shape == (total + len(n),)  # exactly enough
 
 
+@pytest.mark.parametrize("form", ["bonus_ids", "bonus_rows", "logits", "point_mass",
+                                  "vocab_parallel"])
+def test_a_step_without_drafts_emits_each_bonus_token(form):
+  """T = 0 (no request proposed anything; issue 23, item 15): every request emits its bonus
+  token, the caller's or the one sampled from its bonus row with uniform 0 as the padded
+  ``verify`` does; a count claiming a draft under jit is flagged, not read from a padding."""
+  batch, vocab, spec = 3, 16, 2
+  rng = np.random.default_rng(7)
+  u = rng.random((batch, spec + 1)).astype(np.float32)
+  bonus_ids = np.array([3, 4, 5], np.int32)
+  rows = rng.dirichlet(np.ones(vocab), batch).astype(np.float32)
+  logits = rng.normal(size=(batch, vocab)).astype(np.float32)
+  empty_ids, empty_rows = np.zeros(0, np.int32), np.zeros((0, vocab), np.float32)
+  kwargs = {
+    "bonus_ids": dict(target_probs=empty_rows, draft_probs=empty_rows, bonus_token_ids=bonus_ids),
+    "bonus_rows": dict(target_probs=rows, draft_probs=empty_rows, bonus_rows=True),
+    "logits": dict(target_logits=logits, draft_logits=empty_rows, bonus_rows=True),
+    "point_mass": dict(target_probs=empty_rows, bonus_token_ids=bonus_ids),
+    "vocab_parallel": dict(target_probs=rows, draft_probs=empty_rows),
+  }[form]
+  if form == "vocab_parallel":
+    call = functools.partial(vocab_parallel_packed_verify(
+      jax.make_mesh((8,), ("model",)), "model", max_spec_len=spec, bonus_rows=True), **kwargs)
+  else:
+    call = functools.partial(packed_verify, max_spec_len=spec, **kwargs)
+  result = call(empty_ids, np.zeros(batch, np.int32), uniforms=u)
+  if "bonus_token_ids" in kwargs:
+    want = bonus_ids
+  else:
+    target = rows if form != "logits" else np.asarray(process_logits(logits, SamplingParams()))
+    padded = np.zeros((batch, spec + 1, vocab), np.float32)
+    padded[:, 0] = target
+    ref = jax.vmap(functools.partial(verify, num_draft=0))(
+      padded, np.full((batch, spec, vocab), 1.0 / vocab, np.float32),
+      np.zeros((batch, spec), np.int32), u)
+    want = np.asarray(ref.tokens[:, 0])
+  np.testing.assert_array_equal(np.asarray(result.tokens[:, 0]), want)
+  assert np.all(np.asarray(result.tokens[:, 1:]) == -1)
+  assert np.asarray(result.num_tokens).tolist() == [1] * batch
+  assert np.all(np.asarray(result.valid)), result.error
+  # Counts that claim a draft T = 0 does not hold: flagged (the later requests' offsets shift
+  # with it, so they are flagged too), never read from the padding row.
+  claimed = jax.jit(lambda n: call(empty_ids, n, uniforms=u))(np.array([1, 0, 0], np.int32))
+  assert not np.any(np.asarray(claimed.valid))
+  assert np.all(np.asarray(claimed.error) & int(ErrorCode.BAD_NUM_DRAFT))
+
+
 def test_engine_conventions_map_to_greedy_and_disabled():
   t = np.array([-1.0, 0.0, 1e-7, 0.5], np.float32)
   k = np.array([-1, 0, 5, 1 << 30], np.int32)
