@@ -48,7 +48,9 @@ def engine_params(params: SamplingParams, convention: str = "specdec") -> Sampli
   * ``"sglang"``: temperature below ``1e-6`` is greedy; ``top_k`` ``-1`` (or ``1 << 30``,
     ``TOP_K_ALL``, which is ``>= V`` and so keeps everything anyway) disables.
 
-  ``top_p`` means the same everywhere (``1`` disables). Values that stay out of range after
+  ``top_p`` means the same everywhere (``1`` disables). Under every engine convention a
+  ``temperature`` of None (vLLM's metadata of an all-greedy batch) means greedy for every
+  request. Values that stay out of range after
   the mapping (a NaN temperature, ``top_p`` 0) are flagged ``BAD_PARAMS`` as usual.
 
   Args:
@@ -70,6 +72,8 @@ def engine_params(params: SamplingParams, convention: str = "specdec") -> Sampli
                      f"{convention!r} instead.")
   if convention == "specdec":
     return params
+  if params.temperature is None:  # vLLM's metadata of an all-greedy batch
+    params = params._replace(temperature=0.0)
   temperature = jnp.asarray(params.temperature)
   if not jnp.issubdtype(temperature.dtype, jnp.floating):
     temperature = temperature.astype(jnp.float32)

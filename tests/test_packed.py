@@ -255,6 +255,30 @@ def test_a_step_without_drafts_emits_each_bonus_token(form):
   assert np.all(np.asarray(claimed.error) & int(ErrorCode.BAD_NUM_DRAFT))
 
 
+@pytest.mark.parametrize("convention", ["specdec", "vllm"])
+def test_an_all_greedy_batch_needs_no_randomness(convention):
+  """Issue 23, item 21: all-greedy requests (temperature 0, or vLLM's ``temperature=None``)
+  need neither a key nor uniforms, and give what any uniforms give; one sampled request brings
+  the requirement back."""
+  rng = np.random.default_rng(8)
+  n, vocab = np.array([2, 0, 1], np.int32), 12
+  total = int(n.sum())
+  logits = rng.normal(size=(total + len(n), vocab)).astype(np.float32)
+  ids = rng.integers(0, vocab, total).astype(np.int32)
+  ids[0] = np.argmax(logits[0])  # one accepted draft
+  call = functools.partial(packed_verify, ids, n, target_logits=logits, max_spec_len=2,
+                           bonus_rows=True, convention=convention)
+  greedy = SamplingParams(None) if convention == "vllm" else SamplingParams(np.zeros(3, np.float32))
+  free = call(params=greedy)
+  assert np.all(np.asarray(free.valid))
+  for seed in range(3):
+    keyed = call(params=greedy, key=jax.random.key(seed))
+    np.testing.assert_array_equal(np.asarray(free.tokens), np.asarray(keyed.tokens))
+  assert int(free.num_accepted[0]) >= 1
+  with pytest.raises(ValueError, match="pass exactly one of `key` and `uniforms`, got neither"):
+    call(params=SamplingParams(np.array([0.0, 0.7, 0.0], np.float32)))
+
+
 def test_engine_conventions_map_to_greedy_and_disabled():
   t = np.array([-1.0, 0.0, 1e-7, 0.5], np.float32)
   k = np.array([-1, 0, 5, 1 << 30], np.int32)
