@@ -126,6 +126,18 @@ def test_long_rows_are_summed_in_pieces(vocab):
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [257, 300, 513])
+def test_top_k_256_on_an_all_equal_row_keeps_exactly_the_lowest_256_ids(vocab):
+  """Issue 23, item 28: the 256th tie ends a 256-entry block of the threshold search; an
+  off-by-one in the tie count would keep 257. Eager and lazy processing both keep ids 0..255."""
+  x = np.zeros((1, vocab), np.float32)
+  eager = np.asarray(sd.process_logits(x[0], sd.SamplingParams(1.0, 256)))
+  lazy_row = np.asarray(lazy_probs(x, np.ones(1, np.float32), np.array([256]), np.ones(1)))[0]
+  for probs in (eager, lazy_row):
+    np.testing.assert_array_equal(np.nonzero(probs)[0], np.arange(256))
+    np.testing.assert_allclose(probs[:256], 1 / 256, rtol=1e-6)
+
+
 def test_batch_level_branches_change_no_row():
   """A row's statistics do not depend on what the other rows use (top-k, top-p, greedy, a row
   that needs the fallback), nor on whether a step is removed at trace time (None)."""

@@ -279,6 +279,21 @@ def test_an_all_greedy_batch_needs_no_randomness(convention):
     call(params=SamplingParams(np.array([0.0, 0.7, 0.0], np.float32)))
 
 
+@pytest.mark.parametrize("convention", ["vllm", "tpu_inference", "sglang"])
+def test_a_nan_temperature_under_an_engine_convention_is_flagged(convention):
+  """Issue 23, item 27: NaN is not "below the greedy threshold": it stays NaN and the request
+  is flagged BAD_PARAMS (a NaN mapped to greedy would give a plausible token, valid)."""
+  mapped = engine_params(SamplingParams(np.array([np.nan, 0.5], np.float32)), convention)
+  assert np.isnan(np.asarray(mapped.temperature)[0])
+  logits = np.random.default_rng(9).normal(size=(4, 8)).astype(np.float32)
+  result = packed_verify(np.array([1, 2], np.int32), np.array([1, 1], np.int32),
+                         target_logits=logits, max_spec_len=1, bonus_rows=True,
+                         params=SamplingParams(np.array([np.nan, 0.5], np.float32)),
+                         convention=convention, uniforms=np.full((2, 2), 0.5, np.float32))
+  assert np.asarray(result.valid).tolist() == [False, True]
+  assert int(result.error[0]) & int(ErrorCode.BAD_PARAMS)
+
+
 def test_engine_conventions_map_to_greedy_and_disabled():
   t = np.array([-1.0, 0.0, 1e-7, 0.5], np.float32)
   k = np.array([-1, 0, 5, 1 << 30], np.int32)

@@ -311,6 +311,16 @@ MUTANTS: tuple[Mutant, ...] = (
      "  pieces = x.T.reshape(rows * count, vocab // count)",
      "lazy logits: a long row's pieces taken across rows instead of along it", T_LAZY,
      "-k", "pieces"),
+  _m("threshold-tie-block-end", "_threshold.py",
+     "  block = jnp.sum(upto < n, dtype=jnp.int32)",
+     "  block = jnp.sum(upto <= n, dtype=jnp.int32)",
+     "top-k: the n-th tie at the end of a 256-entry block counted into the next block",
+     T_LAZY, "-k", "all_equal_row"),
+  _m("engine-nan-temperature-greedy", "_engine.py",
+     "  greedy = temperature < GREEDY_BELOW[convention]  # NaN stays NaN (flagged)",
+     "  greedy = ~(temperature >= GREEDY_BELOW[convention])",
+     "engine conventions: a NaN temperature mapped to greedy (a valid, plausible token)",
+     "tests/test_packed.py", "-k", "nan_temperature"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",
