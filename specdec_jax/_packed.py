@@ -382,6 +382,13 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
   result = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None if bonus is None else 0))(
     drafts, named["uniforms"], counts, p_offsets, starts, bonus)
   error = result.error | error
+  if params is not None and draft is not None and not draft_is_logits:
+    # A greedy request's target is a point mass: its draft is kept iff it is the argmax and
+    # the residual is the argmax whatever the draft row holds, so a row engines leave unfilled
+    # for greedy requests (zeros: not normalised) changes nothing and is not an error. NaN or
+    # negative entries can change the outcome and stay flagged.
+    greedy = jnp.broadcast_to(~(jnp.asarray(params.temperature) > 0), (batch,))
+    error = jnp.where(greedy & (error & ErrorCode.NOT_NORMALIZED.value == error), 0, error)
   return PackedVerifyResult(*result[:4], valid=error == 0, error=error)
 
 

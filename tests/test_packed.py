@@ -294,6 +294,41 @@ def test_a_nan_temperature_under_an_engine_convention_is_flagged(convention):
   assert int(result.error[0]) & int(ErrorCode.BAD_PARAMS)
 
 
+@pytest.mark.parametrize("rule", ["token", "block"])
+def test_greedy_requests_may_leave_their_draft_rows_unfilled(rule):
+  """Issue 23, item 22: engines leave a greedy request's draft-probability rows as zeros
+  (greedy never reads them). The result is the one with point-mass drafts, valid; a sampled
+  request beside it is untouched, and a negative entry (which would change the residual)
+  stays flagged."""
+  rng = np.random.default_rng(10)
+  n, vocab = np.array([3, 2, 3], np.int32), 10
+  total = int(n.sum())
+  logits = rng.normal(size=(total + 3, vocab)).astype(np.float32)
+  q = rng.dirichlet(np.ones(vocab), total).astype(np.float32)
+  ids = rng.integers(0, vocab, total).astype(np.int32)
+  rows = np.repeat(np.arange(3), n)
+  greedy = np.array([True, False, True])
+  ids[0] = np.argmax(logits[0])  # an accepted greedy draft, then (likely) a rejection
+  q[greedy[rows]] = 0.0
+  params = SamplingParams(np.where(greedy, 0.0, 0.8).astype(np.float32))
+  u = rng.random((3, 4)).astype(np.float32)
+  call = functools.partial(packed_verify, ids, n, target_logits=logits, params=params,
+                           max_spec_len=3, bonus_rows=True, uniforms=u, rule=rule)
+  got = call(draft_probs=q)
+  assert np.all(np.asarray(got.valid)), got.error
+  points = call()  # point-mass drafts: what a greedy request's rows cannot change
+  for g in np.nonzero(greedy)[0]:
+    np.testing.assert_array_equal(np.asarray(got.tokens[g]), np.asarray(points.tokens[g]))
+  q_full = q.copy()
+  q_full[greedy[rows]] = 1.0 / vocab  # filled rows: the sampled request is the same
+  np.testing.assert_array_equal(np.asarray(got.tokens[1]),
+                                np.asarray(call(draft_probs=q_full).tokens[1]))
+  negative = q.copy()
+  negative[rows == 0] = -0.1  # every row request 0 may read
+  bad = call(draft_probs=negative)
+  assert not bool(bad.valid[0]) and int(bad.error[0]) & int(ErrorCode.NEGATIVE)
+
+
 def test_engine_conventions_map_to_greedy_and_disabled():
   t = np.array([-1.0, 0.0, 1e-7, 0.5], np.float32)
   k = np.array([-1, 0, 5, 1 << 30], np.int32)

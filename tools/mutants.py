@@ -321,6 +321,11 @@ MUTANTS: tuple[Mutant, ...] = (
      "  greedy = ~(temperature >= GREEDY_BELOW[convention])",
      "engine conventions: a NaN temperature mapped to greedy (a valid, plausible token)",
      "tests/test_packed.py", "-k", "nan_temperature"),
+  _m("packed-greedy-clears-all", "_packed.py",
+     "    error = jnp.where(greedy & (error & ErrorCode.NOT_NORMALIZED.value == error), 0, error)",
+     "    error = jnp.where(greedy, 0, error)",
+     "packed: a greedy request's every error cleared, not only an unfilled draft row's",
+     "tests/test_packed.py", "-k", "unfilled"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",
