@@ -33,6 +33,7 @@ class ErrorCode(enum.IntFlag):
   BAD_PARAMS = 64  #: a sampling parameter, ``eos_id`` or tree parent was out of range (clipped)
   TOKEN_OUT_OF_RANGE = 128  #: a prompt token id outside ``[0, V)`` (decoding loops; clipped)
   OUT_OF_ROOM = 256  #: a row stopped because its buffer or the model's context was full
+  BAD_LENGTH = 512  #: a prompt length outside ``[1, P]`` (loops; the row generates nothing)
 
 
 def describe_error(code: int) -> str:

@@ -323,10 +323,30 @@ def test_eos_outside_the_vocabulary_raises_or_is_flagged(name):
   with pytest.raises(ValueError, match=rf"`eos_id` must be a token id in \[0, V\) = \[0, {V}\) "
                      rf"or None, got {V}"):
     fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=3, eos_id=V)
-  out = jax.jit(lambda eos: fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=3,
-                               eos_id=eos))(V)
-  np.testing.assert_array_equal(out.error, [ErrorCode.BAD_PARAMS] * 2)
-  np.testing.assert_array_equal(out.num_new, [3, 3])
+  run = jax.jit(lambda eos: fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=3,
+                               eos_id=eos))
+  # -1 is the loops' own "no eos"; a traced -1 or -2 from the caller is out of range too.
+  for eos in (V, -1, -2, np.int32(2**31 - 1)):
+    out = run(eos)
+    np.testing.assert_array_equal(out.error, [ErrorCode.BAD_PARAMS] * 2, err_msg=str(eos))
+    np.testing.assert_array_equal(out.num_new, [3, 3])
+  np.testing.assert_array_equal(run(1).error, 0)
+
+
+@pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])
+def test_traced_prompt_lengths_outside_one_to_p_are_flagged_and_generate_nothing(name):
+  fn = _loops()[name]
+  run = jax.jit(lambda lengths: fn(PROMPT, lengths, jax.random.key(0), max_new_tokens=3))
+  good = run(LENGTHS)
+  np.testing.assert_array_equal(good.error, 0)
+  width = PROMPT.shape[1]
+  for bad, clipped in ((0, 1), (-2, 1), (width + 5, width)):
+    out = run(np.array([bad, 2], np.int32))
+    assert int(out.error[0]) == ErrorCode.BAD_LENGTH, (bad, int(out.error[0]))
+    assert int(out.num_new[0]) == 0 and int(out.lengths[0]) == clipped, bad
+    np.testing.assert_array_equal(out.tokens[0, :clipped], PROMPT[0, :clipped])
+    assert int(out.error[1]) == 0 and int(out.num_new[1]) == 3
+    np.testing.assert_array_equal(out.tokens[1], good.tokens[1])  # the other row is untouched
 
 
 def test_traced_bad_params_give_nan_rows_not_a_plausible_distribution():

@@ -326,6 +326,16 @@ MUTANTS: tuple[Mutant, ...] = (
      "    error = jnp.where(greedy, 0, error)",
      "packed: a greedy request's every error cleared, not only an unfilled draft row's",
      "tests/test_packed.py", "-k", "unfilled"),
+  _m("loop-length-unclipped", "decoding/common.py",
+     "  stop_len = jnp.where(bad_length, prompt_lengths, jnp.minimum(want, capacity))",
+     "  stop_len = jnp.minimum(want, capacity)",
+     "loops: a row with a traced prompt length outside [1, P] still generates (flagged, but "
+     "its tokens read as output)", "tests/test_reliability.py", "-k", "prompt_lengths_outside"),
+  _m("loop-eos-minus-one-is-none", "decoding/args.py",
+     "  return jnp.where((eos >= 0) & (eos < vocab), eos, vocab).astype(jnp.int32)",
+     "  return jnp.clip(eos, -1, vocab).astype(jnp.int32)",
+     "loops: a traced eos_id below 0 read as 'no eos' instead of flagged",
+     "tests/test_reliability.py", "-k", "eos_outside"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",

@@ -97,9 +97,11 @@ def check_prompt(prompt_tokens, prompt_lengths, name: str, vocab: int):
           f"{name}: `prompt_tokens` ids must be in [0, V) = [0, {vocab}) within each row's "
           f"length, got {int(tokens[row, col])} at (row {row}, position {col})."
         )
-  # Compare in the tokens' own dtype before the int32 cast, so nothing wraps into range.
+  # Compare in the arrays' own dtypes before the int32 cast, so nothing wraps into range; a
+  # traced length outside [1, P] becomes 0 or P + 1, which the loops flag (BAD_LENGTH).
   tokens_ok = (prompt_tokens >= 0) & (prompt_tokens < vocab)
-  return prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), tokens_ok
+  lengths = jnp.clip(prompt_lengths, 0, width + 1).astype(jnp.int32)
+  return prompt_tokens.astype(jnp.int32), lengths, tokens_ok
 
 
 def row_keys(key, batch: int, name: str) -> jax.Array:
@@ -170,6 +172,8 @@ def check_budget(max_new_tokens, max_len, width: int, lengths, name: str,
 
 
 def check_eos(eos_id, name: str, vocab: int) -> jax.Array:
+  """``eos_id`` as an int32 scalar: -1 for None; a traced id outside ``[0, V)`` (-1 included)
+  becomes ``V``, which the loops flag (BAD_PARAMS) and no token ever equals."""
   if eos_id is None:
     return jnp.int32(-1)
   eos = host_array(name, "eos_id", eos_id, INT)
@@ -179,7 +183,8 @@ def check_eos(eos_id, name: str, vocab: int) -> jax.Array:
     raise ValueError(
       f"{name}: `eos_id` must be a token id in [0, V) = [0, {vocab}) or None, got {eos_id!r}."
     )
-  return jnp.clip(jnp.asarray(eos), -1, vocab).astype(jnp.int32)
+  eos = jnp.asarray(eos)
+  return jnp.where((eos >= 0) & (eos < vocab), eos, vocab).astype(jnp.int32)
 
 
 def _structure(fn) -> object:

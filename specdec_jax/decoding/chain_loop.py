@@ -59,6 +59,7 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
   common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
                               max_new_tokens=max_new_tokens, max_len=max_len, context=context,
                               vocab=vocab)
+  prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
   is_model = isinstance(draft, ModelFns)
   is_feature = isinstance(draft, FeatureFns)
   slots = jnp.arange(gamma + 1, dtype=jnp.int32)

@@ -101,18 +101,24 @@ def make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id, *, 
   """The per-row constants of a loop and each row's error bits from its arguments.
 
   A row stops at ``min(length + max_new_tokens, max_len, context)``; ``room`` marks the rows
-  whose budget does not fit. Bits: a prompt id outside ``[0, V)`` (TOKEN_OUT_OF_RANGE), a
-  sampling parameter or ``eos_id`` out of range (BAD_PARAMS; traced values only, concrete
-  ones raised on the host).
+  whose budget does not fit. Bits: a prompt length outside ``[1, P]`` (BAD_LENGTH: clipped,
+  and the row stops before it starts), a prompt id outside ``[0, V)`` (TOKEN_OUT_OF_RANGE), a
+  sampling parameter or ``eos_id`` out of range (BAD_PARAMS; :func:`check_eos` maps a bad
+  ``eos_id`` to ``V``). Traced values only: concrete ones were raised on the host.
   """
+  width = prompt.shape[1]
+  bad_length = (prompt_lengths < 1) | (prompt_lengths > width)
+  prompt_lengths = jnp.clip(prompt_lengths, 1, width)
   capacity = max_len if context is None else min(max_len, context)
   want = prompt_lengths + max_new_tokens
-  stop_len = jnp.minimum(want, capacity)
-  real = jnp.arange(prompt.shape[1], dtype=jnp.int32)[None] < prompt_lengths[:, None]
+  stop_len = jnp.where(bad_length, prompt_lengths, jnp.minimum(want, capacity))
+  real = jnp.arange(width, dtype=jnp.int32)[None] < prompt_lengths[:, None]
   bad_eos = (eos_id < -1) | (eos_id >= vocab)  # -1: no eos
   error = (flag(jnp.any(real & ~tokens_ok, axis=1), ErrorCode.TOKEN_OUT_OF_RANGE)
-           | jax.vmap(params_error)(params) | flag(bad_eos, ErrorCode.BAD_PARAMS))
-  return Common(row_keys, prompt_lengths, stop_len, params, eos_id, want > capacity), error
+           | jax.vmap(params_error)(params) | flag(bad_eos, ErrorCode.BAD_PARAMS)
+           | flag(bad_length, ErrorCode.BAD_LENGTH))
+  room = (want > capacity) & ~bad_length
+  return Common(row_keys, prompt_lengths, stop_len, params, eos_id, room), error
 
 
 def flag_out_of_room(error, tokens, lengths, common: Common) -> jax.Array:

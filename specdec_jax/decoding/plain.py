@@ -46,6 +46,7 @@ def generate_loop(target_params, prompt, prompt_lengths, tokens_ok, row_keys, pa
   common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
                           max_new_tokens=max_new_tokens, max_len=max_len, context=context,
                           vocab=target.vocab_size)
+  prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
   tokens, lengths, done, cache, first_error = prefill_and_start(
     target, target_params, prompt, common, max_len, max_len, pad_id)
   zero = jnp.int32(0)

@@ -74,6 +74,7 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
   common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
                           max_new_tokens=max_new_tokens, max_len=max_len, context=context,
                           vocab=vocab)
+  prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
   stop_len = common.stop_len
   start = prefill_and_start(target, target_params, prompt, common, max_len, cache_len, pad_id,
                             features=is_feature)

@@ -54,8 +54,10 @@ class GenerateResult(NamedTuple):
     error: int32 ``(B,)``. :class:`~specdec_jax.ErrorCode` bits of the row (0 when all was
       well; decode with :func:`~specdec_jax.describe_error`): ``NONFINITE`` when a
       distribution the row sampled from was NaN (NaN or ``+inf`` logits from the model),
-      ``TOKEN_OUT_OF_RANGE`` for a prompt id outside ``[0, V)``, ``BAD_PARAMS`` for traced
-      out-of-range sampling parameters or ``eos_id``, ``OUT_OF_ROOM`` when the row stopped
+      ``TOKEN_OUT_OF_RANGE`` for a prompt id outside ``[0, V)``, ``BAD_LENGTH`` for a traced
+      prompt length outside ``[1, P]`` (the row keeps its clipped prompt and generates
+      nothing), ``BAD_PARAMS`` for traced out-of-range sampling parameters or ``eos_id``
+      (-1 included), ``OUT_OF_ROOM`` when the row stopped
       because the buffer (``max_len``) or the model's context was full before
       ``max_new_tokens`` or ``eos_id``.
   """
