@@ -31,6 +31,8 @@ from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
 from specdec_jax._engine import engine_params
+from specdec_jax._errors import ErrorCode
+from specdec_jax._errors import flag
 from specdec_jax._keys import draw_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._keys import uniforms_first
@@ -108,6 +110,29 @@ def parents_from_links(first_child: jax.Array, next_sibling: jax.Array) -> jax.A
   return lax.fori_loop(0, size, follow, parent).at[0].set(-1)
 
 
+def malformed_links(first_child: jax.Array, next_sibling: jax.Array) -> jax.Array:
+  """Whether one tree's links break the encoding :func:`packed_tree_verify` reads (traced bool).
+
+  Well formed: every link is ``-1`` or a later node (``u < link < N``: children after their
+  parent, siblings in increasing order, hence no cycle), no node is reached by two links, and
+  the root has no sibling. Nodes no link reaches are flagged by the tree rule itself.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> bool(malformed_links(jnp.array([1, -1, -1]), jnp.array([-1, 2, -1])))
+    False
+    >>> bool(malformed_links(jnp.array([2, -1, -1]), jnp.array([-1, -1, 1])))  # 2 -> 1
+    True
+  """
+  size = first_child.shape[0]
+  nodes = jnp.arange(size, dtype=first_child.dtype)
+  links = jnp.concatenate([first_child, next_sibling])
+  out_of_order = (links != -1) & ((links <= jnp.tile(nodes, 2)) | (links >= size))
+  reached = jnp.zeros((size,), jnp.int32).at[jnp.where(links >= 0, links, size)].add(
+    1, mode="drop")
+  return jnp.any(out_of_order) | jnp.any(reached > 1) | (next_sibling[0] != -1)
+
+
 TREE_PACKED_ARRAYS = {"candidates": INT, "retrive_next_token": INT,
                       "retrive_next_sibling": INT, "target_probs": FLOAT, "target_logits": FLOAT,
                       "draft_probs": FLOAT, "draft_logits": FLOAT, "uniforms": FLOAT,
@@ -146,7 +171,10 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
     candidates: ``(B, N)`` int token ids, node 0 the root (ignored).
     retrive_next_token: ``(B, N)`` int first child of each node, ``-1`` for none.
     retrive_next_sibling: ``(B, N)`` int next sibling, ``-1`` for none; a child's index must
-      exceed its parent's and siblings are tested in increasing index order.
+      exceed its parent's and each sibling link must point to a later node (siblings are
+      tested in link order, which is then index order). A tree whose links break this (a
+      backward link, a cycle, a node reached twice, a link outside ``[-1, N)``, a node no link
+      reaches) is flagged ``BAD_PARAMS`` (:func:`malformed_links`).
     max_depth: static int ``>= 0``, accepted tokens at most (sglang's ``num_spec_steps - 1``
       draft levels); the output has ``max_depth + 1`` columns.
     target_probs: ``(B * N, V)`` processed target rows, row ``b * N + u`` for node ``u``, or
@@ -297,8 +325,9 @@ def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
     if draft is not None and draft_is_logits:
       draft = lazy_rows(draft, rows, axis_name)
     error = error | jnp.broadcast_to(params_error(params), (batch,))
-  parents = jax.vmap(parents_from_links)(named["retrive_next_token"],
-                                         named["retrive_next_sibling"])
+  links = (named["retrive_next_token"], named["retrive_next_sibling"])
+  parents = jax.vmap(parents_from_links)(*links)
+  error = error | flag(jax.vmap(malformed_links)(*links), ErrorCode.BAD_PARAMS)
 
   def one(parents, tokens, uniforms, offset):
     return TREE_RULE(target, draft, parents, tokens, uniforms, None, law=law, pad_id=pad_id,
@@ -314,5 +343,5 @@ def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
                                 accept_index=accept_index)
 
 
-__all__ = ["PackedTreeResult", "PackedTreeVerifyResult", "packed_tree_verify",
+__all__ = ["PackedTreeResult", "PackedTreeVerifyResult", "malformed_links", "packed_tree_verify",
            "parents_from_links"]

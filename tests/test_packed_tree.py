@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from specdec_jax import ErrorCode
 from specdec_jax import SamplingParams
 from specdec_jax import packed_tree_verify
 from specdec_jax import process_logits
@@ -209,3 +210,40 @@ def test_bad_input_is_a_clear_error(kwargs, message):
   args.update(kwargs)
   with pytest.raises(ValueError, match=f"packed_tree_verify: .*{message}"):
     packed_tree_verify(**args)
+
+
+def test_malformed_links_are_flagged_not_walked():
+  """Links that break the encoding (a backward sibling link, a cycle, a node reached twice, a
+  link outside [-1, N), a link to the root, a root sibling) are flagged BAD_PARAMS; a backward
+  sibling link would otherwise be walked in index order, not in the order the links say."""
+  first, sibling = links(np.array([-1, 0, 0, 1, 1]))  # [1, 3, -1, -1, -1], [-1, 2, -1, 4, -1]
+  cases = {"well formed": (first, sibling)}
+
+  def edit(name, which, node, value):
+    f, s = first.copy(), sibling.copy()
+    (f if which == "first" else s)[node] = value
+    cases[name] = (f, s)
+
+  edit("sibling cycle 1 -> 2 -> 1", "sibling", 2, 1)
+  edit("node 3 reached twice", "first", 2, 3)
+  edit("first child N", "first", 3, 5)
+  edit("sibling -2", "sibling", 4, -2)
+  edit("link to the root", "first", 4, 0)
+  edit("root sibling", "sibling", 0, 2)
+  cases["siblings 2 then 1 (backward)"] = (np.array([2, 3, -1, -1, -1]),
+                                          np.array([-1, -1, 1, 4, -1]))
+  f = np.stack([c[0] for c in cases.values()]).astype(np.int32)
+  s = np.stack([c[1] for c in cases.values()]).astype(np.int32)
+  batch, size, vocab = f.shape[0], f.shape[1], 6
+  rng = np.random.default_rng(3)
+  result = packed_tree_verify(
+    rng.integers(0, vocab, (batch, size)), f, s, max_depth=2,
+    target_probs=rng.dirichlet(np.ones(vocab), batch * size).astype(np.float32),
+    coins=rng.random((batch, size)).astype(np.float32))
+  error = np.asarray(result.error)
+  assert error[0] == 0
+  for (name, _), code in zip(cases.items(), error, strict=True):
+    if name != "well formed":
+      assert code & ErrorCode.BAD_PARAMS, name
+  tokens = np.asarray(result.tokens)
+  assert ((tokens == -1) | ((tokens >= 0) & (tokens < vocab))).all()

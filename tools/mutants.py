@@ -336,6 +336,16 @@ MUTANTS: tuple[Mutant, ...] = (
      "  return jnp.clip(eos, -1, vocab).astype(jnp.int32)",
      "loops: a traced eos_id below 0 read as 'no eos' instead of flagged",
      "tests/test_reliability.py", "-k", "eos_outside"),
+  _m("tree-links-backward-ok", "_packed_tree.py",
+     "  out_of_order = (links != -1) & ((links <= jnp.tile(nodes, 2)) | (links >= size))",
+     "  out_of_order = (links != -1) & ((links < -1) | (links >= size))",
+     "packed trees: a backward sibling link (or a cycle) is walked in index order, unflagged",
+     "tests/test_packed_tree.py", "-k", "malformed"),
+  _m("tree-links-twice-ok", "_packed_tree.py",
+     "  return jnp.any(out_of_order) | jnp.any(reached > 1) | (next_sibling[0] != -1)",
+     "  return jnp.any(out_of_order) | (next_sibling[0] != -1)",
+     "packed trees: a node reached by two links is walked as the child of one, unflagged",
+     "tests/test_packed_tree.py", "-k", "malformed"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",
