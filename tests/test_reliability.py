@@ -182,6 +182,31 @@ def test_prompt_ids_out_of_range_are_flagged_when_traced(name):
   assert ((tokens[:, 4:] >= -1) & (tokens[:, 4:] < V)).all()
 
 
+@pytest.mark.parametrize("name", ["generate", "speculative", "tree"])
+def test_a_model_whose_logits_are_wider_than_its_vocabulary_is_named(name):
+  """A model whose logits have more columns than its ``vocab_size`` would emit ids the model
+  says do not exist (``generate`` emitted 5 and 6 with V = 4, error 0); the loops name it."""
+  narrow = TARGET._replace(vocab_size=V // 2)  # its logits still have V columns
+  prompt = PROMPT % (V // 2)
+  if name == "generate":
+    fn, arg = _loops(narrow)[name], "model"
+  else:  # a consistent narrow target, the narrow draft
+    target = TARGET._replace(vocab_size=V // 2, apply=_cut_logits(TARGET.apply, V // 2),
+                             tree_apply=_cut_logits(TARGET.tree_apply, V // 2))
+    fn, arg = _loops(target, narrow)[name], "draft"
+  with pytest.raises(ValueError, match=rf"`{arg}` returned logits of shape \(2, 4, {V}\) for "
+                     rf"ids of shape \(2, 4\); expected \(B, T, vocab_size\) = \(2, 4, {V // 2}\)"):
+    fn(prompt, LENGTHS, jax.random.key(0), max_new_tokens=2)
+
+
+def _cut_logits(apply, width):
+  """``apply`` with its logits cut to the first ``width`` columns (a consistent narrow model)."""
+  def cut(*args):
+    logits, *rest = apply(*args)
+    return (logits[..., :width], *rest)
+  return cut
+
+
 # --- budgets that do not fit the buffer or the model's context ------------------------------------
 
 

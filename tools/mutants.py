@@ -346,6 +346,11 @@ MUTANTS: tuple[Mutant, ...] = (
      "  return jnp.any(out_of_order) | (next_sibling[0] != -1)",
      "packed trees: a node reached by two links is walked as the child of one, unflagged",
      "tests/test_packed_tree.py", "-k", "malformed"),
+  _m("loop-logits-width-unchecked", "decoding/common.py",
+     "  if tuple(logits.shape) != want:",
+     "  if tuple(logits.shape[:-1]) != want[:-1]:",
+     "loops: a model whose logits are wider than its vocab_size samples ids it says do not exist",
+     "tests/test_reliability.py", "-k", "wider"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",

@@ -32,7 +32,8 @@ def model_fns(model: Model, name: str, arg: str) -> ModelFns:
     raise TypeError(
       f"{name}: `{arg}` must be a specdec_jax.models.Model, got {type(model).__name__} instead."
     )
-  return ModelFns(model.apply, model.init_cache, int(model.vocab_size), model.apply_features)
+  return ModelFns(model.apply, model.init_cache, int(model.vocab_size), model.apply_features,
+                  f"{name}: `{arg}`")
 
 
 def check_same_vocab(draft_vocab: int, target_vocab: int, name: str) -> None:

@@ -49,9 +49,23 @@ def prefill(fns: ModelFns, model_params, prompt, prompt_lengths, cache_len: int,
   ids = model_ids(prompt, fns.vocab_size)
   if features:
     logits, feats, cache = fns.apply_features(model_params, ids, positions, cache)
-    return logits[batch_rows(batch), prompt_lengths - 1], cache, feats
-  logits, cache = fns.apply(model_params, ids, positions, cache)
-  return logits[batch_rows(batch), prompt_lengths - 1], cache
+  else:
+    logits, cache = fns.apply(model_params, ids, positions, cache)
+  check_logits_shape(logits, fns, (batch, width))
+  last = logits[batch_rows(batch), prompt_lengths - 1]
+  return (last, cache, feats) if features else (last, cache)
+
+
+def check_logits_shape(logits, fns: ModelFns, ids_shape: tuple[int, int]) -> None:
+  """``ValueError`` (at trace time: shapes are static) unless the model's logits are
+  ``(B, T, vocab_size)``: wider logits would be sampled as ids the model says do not exist."""
+  want = (*ids_shape, fns.vocab_size)
+  if tuple(logits.shape) != want:
+    raise ValueError(
+      f"{fns.label} returned logits of shape {tuple(logits.shape)} for ids of shape "
+      f"{ids_shape}; expected (B, T, vocab_size) = {want} (its `vocab_size` is "
+      f"{fns.vocab_size})."
+    )
 
 
 def init_buffer(prompt, prompt_lengths, max_len: int, pad_id: int) -> jax.Array:

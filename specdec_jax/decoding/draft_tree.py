@@ -125,6 +125,7 @@ class TreeFns(NamedTuple):
   copy_slots: Callable[..., Any]
   apply_features: Callable[..., Any] | None = None
   tree_apply_features: Callable[..., Any] | None = None
+  label: str = "the model"  # "tree_speculative_generate: `target`"
 
 
 def check_draft_tree(tree: DraftTree, name: str) -> DraftTree:
@@ -181,4 +182,4 @@ def tree_model_fns(model: Model, name: str, arg: str) -> TreeFns:
       f"specdec_jax.models.protocol), got a Model named {model.name!r} without them."
     )
   return TreeFns(fns.apply, fns.init_cache, fns.vocab_size, model.tree_apply, model.copy_slots,
-                 model.apply_features, model.tree_apply_features)
+                 model.apply_features, model.tree_apply_features, fns.label)

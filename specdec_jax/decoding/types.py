@@ -97,6 +97,7 @@ class ModelFns(NamedTuple):
   init_cache: Callable[[int, int], Any]
   vocab_size: int
   apply_features: Callable[..., Any] | None = None
+  label: str = "the model"  # "generate: `model`": who to name when its logits are malformed
 
 
 class Common(NamedTuple):
