@@ -236,6 +236,41 @@ def check_static_int(fn: str, arg: str, value, minimum: int) -> int:
   return int(value)
 
 
+def host_top_k(params):
+  """``params`` (a :class:`~specdec_jax.SamplingParams`) with a host ``top_k`` beyond int32
+  clipped in its own dtype before JAX sees it.
+
+  JAX holds int32: a Python ``2**40`` would not convert at all and a NumPy int64 would wrap
+  (``2**32 + 1`` to ``1``, keeping one token instead of all). Every ``top_k >= V`` keeps the
+  whole row, so ``2**31 - 1`` means the same. Other values pass unchanged (checked later).
+  """
+  top_k = getattr(params, "top_k", None)
+  if top_k is None or not is_host_value(top_k):
+    return params
+  try:
+    array = np.asarray(top_k)
+  except (TypeError, ValueError):
+    return params
+  if array.dtype.kind not in "iu" or array.dtype.itemsize < 8:
+    return params
+  info = np.iinfo(np.int32)
+  if np.all((array >= info.min) & (array <= info.max)):
+    return params
+  array = np.where(array > info.max, info.max, array)
+  if array.dtype.kind == "i":
+    array = np.where(array < info.min, info.min, array)
+  return params._replace(top_k=array.astype(np.int32))
+
+
+def check_pad_id(fn: str, value) -> int:
+  """A static ``pad_id``: a Python or NumPy integer that int32 holds (``2.7`` is not ``2``)."""
+  if (isinstance(value, bool) or not isinstance(value, int | np.integer)
+      or not np.iinfo(np.int32).min <= value <= np.iinfo(np.int32).max):
+    raise ValueError(f"{fn}: `pad_id` must be a static int in int32 range (the token slots "
+                     f"are int32), got {value!r} instead.")
+  return int(value)
+
+
 class PublicJit:
   """A jitted function with :func:`host_array` conversion of some arguments in front of it.
 
@@ -254,6 +289,7 @@ class PublicJit:
     params = list(inspect.signature(fn).parameters)
     self._slots = [(params.index(arg), arg, kind) for arg, kind in arrays.items()
                    if arg in params]
+    self._params_at = params.index("params") if "params" in params else None
 
   def _convert(self, args, kwargs):
     args = list(args)
@@ -262,6 +298,12 @@ class PublicJit:
         args[index] = host_array(self._label, arg, args[index], kind)
       elif arg in kwargs:
         kwargs[arg] = host_array(self._label, arg, kwargs[arg], kind)
+    if "pad_id" in kwargs and "pad_id" in self.static_argnames:
+      kwargs["pad_id"] = check_pad_id(self._label, kwargs["pad_id"])
+    if self._params_at is not None and self._params_at < len(args):
+      args[self._params_at] = host_top_k(args[self._params_at])
+    elif "params" in kwargs:
+      kwargs["params"] = host_top_k(kwargs["params"])
     return args, kwargs
 
   def __call__(self, *args, **kwargs):

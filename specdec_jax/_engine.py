@@ -34,6 +34,14 @@ CONVENTIONS = ("specdec", "vllm", "tpu_inference", "sglang")
 GREEDY_BELOW = {"specdec": 0.0, "vllm": 1e-5, "tpu_inference": 1e-5, "sglang": 1e-6}
 
 
+def check_convention(fn: str, convention) -> None:
+  """``ValueError`` unless ``convention`` is one of :data:`CONVENTIONS` (checked with or
+  without ``params``: a typo such as ``"vLLM"`` is never silently ignored)."""
+  if not isinstance(convention, str) or convention not in CONVENTIONS:
+    raise ValueError(f"{fn}: `convention` must be one of {CONVENTIONS}, got {convention!r} "
+                     "instead.")
+
+
 def engine_params(params: SamplingParams, convention: str = "specdec") -> SamplingParams:
   """An engine's per-request sampling parameters in specdec_jax's convention (traced-safe).
 
@@ -67,9 +75,7 @@ def engine_params(params: SamplingParams, convention: str = "specdec") -> Sampli
     >>> p.temperature.tolist(), p.top_k.tolist()
     ([0.0, 0.699999988079071], [0, 20])
   """
-  if convention not in CONVENTIONS:
-    raise ValueError(f"engine_params: `convention` must be one of {CONVENTIONS}, got "
-                     f"{convention!r} instead.")
+  check_convention("engine_params", convention)
   if convention == "specdec":
     return params
   if params.temperature is None:  # vLLM's metadata of an all-greedy batch

@@ -146,7 +146,7 @@ def verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None, draf
   gamma, vocab = check_chain(name, target_logits, draft_logits, draft, uniforms,
                              names=("target_logits", "draft_logits"))
   check_scalar(name, "num_draft", num_draft, INT)
-  check_params(params, name)
+  params = check_params(params, name)
   one_source(name, key, uniforms)
   if key is not None:
     uniforms = key_uniforms(name, key, gamma + 1, compute_dtype(target_logits.dtype))
@@ -220,7 +220,7 @@ def tree_verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None,
   size, vocab, max_depth = check_tree(target_logits, q, parents, tokens, uniforms, law,
                                       max_depth, name, uniform_layout)
   check_scalar(name, "num_nodes", num_nodes, INT)
-  check_params(params, name)
+  params = check_params(params, name)
   one_source(name, key, uniforms)
   if key is not None:
     uniforms = key_uniforms(name, key, size, compute_dtype(target_logits.dtype))

@@ -19,6 +19,7 @@ import numpy as np
 
 from specdec_jax._checks import FLOAT
 from specdec_jax._checks import host_array
+from specdec_jax._checks import host_top_k
 from specdec_jax._checks import is_concrete
 from specdec_jax._errors import ErrorCode
 from specdec_jax._process import process_rows as process_rows
@@ -69,7 +70,7 @@ def _in_range(field: str, v: np.ndarray) -> np.ndarray:
 
 
 def check_params(params: SamplingParams, name: str, batch: int | None = None, *,
-                 host_only: bool = False) -> None:
+                 host_only: bool = False) -> SamplingParams:
   """Host-side checks of :class:`SamplingParams`, shared by every entry point that takes them.
 
   Fields must be scalars (``batch=None``: one sequence; use ``jax.vmap`` for a batch) or,
@@ -78,6 +79,7 @@ def check_params(params: SamplingParams, name: str, batch: int | None = None, *,
   be in range; traced ones are clipped where they are used and flagged by
   :func:`params_error`. ``host_only``: JAX arrays are not read back (no device round trip; a
   jitted entry point flags their values instead), only host values (NumPy, Python) are.
+  Returns ``params`` with a host ``top_k`` beyond int32 clipped (:func:`host_top_k`).
   """
   if not isinstance(params, SamplingParams):
     raise TypeError(
@@ -112,6 +114,7 @@ def check_params(params: SamplingParams, name: str, batch: int | None = None, *,
           shown = np.asarray(value).tolist()
         raise ValueError(f"{name}: `params.{field}` must be {_EXPECTED[field]}, got {shown} "
                          "instead.")
+  return host_top_k(params)
 
 
 def params_error(params: SamplingParams) -> jax.Array:
@@ -179,7 +182,7 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
     Holtzman et al., "The Curious Case of Neural Text Degeneration" (top-p),
     ICLR 2020, arXiv:1904.09751; Fan et al. 2018 (top-k), arXiv:1805.04833.
   """
-  check_params(params, "process_logits")
+  params = check_params(params, "process_logits")
   logits = jnp.asarray(host_array("process_logits", "logits", logits, FLOAT))
   if logits.ndim not in (1, 2) or logits.shape[-1] < 1:
     raise ValueError(

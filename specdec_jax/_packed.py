@@ -27,12 +27,15 @@ from specdec_jax._checks import FLOAT
 from specdec_jax._checks import INT
 from specdec_jax._checks import KEY
 from specdec_jax._checks import check_array
+from specdec_jax._checks import check_pad_id
 from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
+from specdec_jax._checks import host_top_k
 from specdec_jax._checks import is_concrete
 from specdec_jax._engine import CONVENTIONS
 from specdec_jax._engine import GREEDY_BELOW
+from specdec_jax._engine import check_convention
 from specdec_jax._engine import engine_params
 from specdec_jax._engine import row_owners
 from specdec_jax._engine import rows_params
@@ -251,6 +254,8 @@ def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, ma
               uniforms=uniforms)
   args = {k: host_array(name, k, v, PACKED_ARRAYS[k]) for k, v in args.items()}
   max_spec_len = check_static_int(name, "max_spec_len", max_spec_len, 0)
+  pad_id = check_pad_id(name, pad_id)
+  check_convention(name, convention)
   if (args["target_probs"] is None) == (args["target_logits"] is None):
     raise ValueError(f"{name}: pass exactly one of `target_probs` and `target_logits`.")
   if args["draft_probs"] is not None and args["draft_logits"] is not None:
@@ -272,7 +277,7 @@ def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, ma
   if not isinstance(bonus_rows, bool):
     raise ValueError(f"{name}: `bonus_rows` must be a static bool, got {bonus_rows!r}.")
   if params is not None:
-    params = engine_params(params, convention)
+    params = engine_params(host_top_k(params), convention)
   elif args["target_logits"] is not None:
     params = SamplingParams()
   logits = args["target_probs"] is None

@@ -27,9 +27,12 @@ from specdec_jax._checks import FLOAT
 from specdec_jax._checks import INT
 from specdec_jax._checks import KEY
 from specdec_jax._checks import check_array
+from specdec_jax._checks import check_pad_id
 from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
+from specdec_jax._checks import host_top_k
+from specdec_jax._engine import check_convention
 from specdec_jax._engine import engine_params
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
@@ -233,6 +236,8 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
               uniforms=uniforms, key=key)
   args = {k: host_array(name, k, v, TREE_PACKED_ARRAYS[k]) for k, v in args.items()}
   max_depth = check_static_int(name, "max_depth", max_depth, 0)
+  pad_id = check_pad_id(name, pad_id)
+  check_convention(name, convention)
   if (args["target_probs"] is None) == (args["target_logits"] is None):
     raise ValueError(f"{name}: pass exactly one of `target_probs` and `target_logits`.")
   if args["draft_probs"] is not None and args["draft_logits"] is not None:
@@ -258,8 +263,8 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
       raise ValueError(f"{name}: `{arg}` must have the shape of `candidates` {shape}, got "
                        f"{args[arg].shape} instead.")
   if params is not None:
-    params = engine_params(params, convention)
-    check_params(params, name, batch=shape[0], host_only=True)
+    params = engine_params(host_top_k(params), convention)
+    params = check_params(params, name, batch=shape[0], host_only=True)
   elif args["target_logits"] is not None:
     params = SamplingParams()
   target = args["target_probs"] if args["target_logits"] is None else args["target_logits"]

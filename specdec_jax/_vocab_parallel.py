@@ -22,8 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 from specdec_jax._chain import VerifyResult
 from specdec_jax._checks import check_chain
+from specdec_jax._checks import check_pad_id
 from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
+from specdec_jax._engine import check_convention
 from specdec_jax._from_logits import chain_from_logits
 from specdec_jax._from_logits import tree_from_logits
 from specdec_jax._keys import draw_uniforms
@@ -98,6 +100,7 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
   """
   name = "vocab_parallel_verify"
   shards = check_mesh(name, mesh, vocab_axis, batch_axis)
+  pad_id = check_pad_id(name, pad_id)
   check_inputs(name, inputs)
   if rule not in CHAIN_RULES:
     raise ValueError(f"{name}: `rule` must be one of {tuple(CHAIN_RULES)}, got {rule!r}.")
@@ -141,7 +144,7 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
     one_source(name, a["key"], a["uniforms"])
     params = (SamplingParams() if a.get("params") is None else a["params"]) if logits else None
     if params is not None:
-      check_params(params, name, batch=jnp.shape(h["draft"])[0], host_only=True)
+      params = check_params(params, name, batch=jnp.shape(h["draft"])[0], host_only=True)
     draft = h["draft"]
     key, uniforms = uniforms_first(
       name, h["key"], h["uniforms"], draft.shape[0] if jnp.ndim(draft) == 2 else None,
@@ -201,6 +204,7 @@ def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | No
   """
   name = "vocab_parallel_tree_verify"
   shards = check_mesh(name, mesh, vocab_axis, batch_axis)
+  pad_id = check_pad_id(name, pad_id)
   check_inputs(name, inputs)
   batched = ("parents", "tokens", "uniforms", "num_nodes", "params")
   out = TreeVerifyResult(*(P(batch_axis),) * 7)
@@ -248,7 +252,7 @@ def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | No
     one_source(name, a["key"], a["uniforms"])
     params = (SamplingParams() if a.get("params") is None else a["params"]) if logits else None
     if params is not None:
-      check_params(params, name, batch=jnp.shape(h["tokens"])[0], host_only=True)
+      params = check_params(params, name, batch=jnp.shape(h["tokens"])[0], host_only=True)
     tokens = h["tokens"]
     q = None if law == "deterministic" else h["q"]
     key, uniforms = uniforms_first(
@@ -309,6 +313,8 @@ def vocab_parallel_packed_verify(mesh: Mesh, vocab_axis: str, *, max_spec_len: i
   """
   name = "vocab_parallel_packed_verify"
   check_mesh(name, mesh, vocab_axis)
+  pad_id = check_pad_id(name, pad_id)
+  check_convention(name, convention)
   max_spec_len = check_static_int(name, "max_spec_len", max_spec_len, 0)
 
   def impl(a: dict, lower: bool):
@@ -362,6 +368,8 @@ def vocab_parallel_packed_tree_verify(mesh: Mesh, vocab_axis: str, *, max_depth:
   """
   name = "vocab_parallel_packed_tree_verify"
   check_mesh(name, mesh, vocab_axis)
+  pad_id = check_pad_id(name, pad_id)
+  check_convention(name, convention)
   max_depth = check_static_int(name, "max_depth", max_depth, 0)
 
   def impl(a: dict, lower: bool):

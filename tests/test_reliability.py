@@ -390,3 +390,80 @@ def test_traced_bad_params_give_nan_rows_not_a_plausible_distribution():
   result = jax.jit(lambda t: verify_logits(jnp.stack([logits] * 2), logits[None], jnp.array([1]),
                                            jnp.array([0.5, 0.5]), SamplingParams(t)))(-1.0)
   assert int(result.error) == ErrorCode.BAD_PARAMS and 0 <= int(result.tokens[0]) < 4
+
+
+# --- static arguments and host values that JAX would silently change (issue round two) ----------
+
+_P4 = np.full((2, 4), 0.25, np.float32)
+_Q4 = np.full((1, 4), 0.25, np.float32)
+_U2 = np.array([[0.5, 0.5]], np.float32)
+
+
+def _packed(**kwargs):
+  from specdec_jax import packed_verify
+  args = dict(max_spec_len=1, target_probs=_P4, uniforms=_U2)
+  return packed_verify(np.array([1]), np.array([1]), **{**args, **kwargs})
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+  (lambda: verify(_P4, _Q4, [1], _U2[0], pad_id=2.7), ValueError,
+   r"verify: `pad_id` must be a static int in int32 range \(the token slots are int32\), got 2.7"),
+  (lambda: verify_with_key(jax.random.key(0), _P4, _Q4, [1], pad_id="x"), ValueError,
+   r"verify_with_key: `pad_id` must be a static int in int32 range .* got 'x'"),
+  (lambda: _packed(pad_id=2.7), ValueError, r"packed_verify: `pad_id` must be a static int"),
+  (lambda: _packed(convention="vLLM"), ValueError,
+   r"packed_verify: `convention` must be one of \('specdec', 'vllm', 'tpu_inference', "
+   r"'sglang'\), got 'vLLM' instead"),
+  (lambda: _packed(bonus_rows="no"), ValueError,
+   r"packed_verify: `bonus_rows` must be a static bool, got 'no'"),
+  (lambda: generate(TARGET, PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=2, pad_id=2.7),
+   ValueError, r"generate: `pad_id` must be a static int"),
+  (lambda: speculative_generate(TARGET, SMALL, PROMPT, LENGTHS, jax.random.key(0), gamma=2,
+                                max_new_tokens=2, adaptive=_policy(prior_accepted=float("inf"))),
+   ValueError, r"speculative_generate: `adaptive.prior_accepted` must be finite and at most "
+   r"1e\+30 in magnitude \(the estimate runs in float32\), got inf"),
+  (lambda: speculative_generate(TARGET, SMALL, PROMPT, LENGTHS, jax.random.key(0), gamma=2,
+                                max_new_tokens=2, adaptive=_policy(prior_rejected=1e300)),
+   ValueError, r"`adaptive.prior_rejected` must be finite and at most 1e\+30"),
+  (lambda: speculative_generate(TARGET, SMALL, PROMPT, LENGTHS, jax.random.key(0), gamma=2,
+                                max_new_tokens=2, adaptive=_policy(draft_cost="x")),
+   TypeError, r"speculative_generate: `adaptive.draft_cost` must be a real number, got 'x'"),
+  (lambda: speculative_generate(TARGET, SMALL, PROMPT, LENGTHS, jax.random.key(0), gamma=2,
+                                max_new_tokens=2, adaptive=_policy(decay=None)),
+   TypeError, r"`adaptive.decay` must be a real number, got None"),
+])
+def test_static_arguments_are_checked_not_coerced(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def _policy(**kwargs):
+  from specdec_jax.decoding import AdaptiveSpeculation
+  return AdaptiveSpeculation(**kwargs)
+
+
+@pytest.mark.parametrize("top_k", [2**40, np.int64(2**32 + 1), np.uint64(2**32 + 1)])
+def test_a_top_k_beyond_int32_keeps_every_token(top_k):
+  """A Python ``2**40`` raised a bare OverflowError and a NumPy int64 ``2**32 + 1`` wrapped to
+  1 (one token kept instead of all); every ``top_k >= V`` keeps the whole row."""
+  logits = np.array([3.0, 2.0, 1.0, 0.0], np.float32)
+  want = np.asarray(process_logits(logits, SamplingParams(1.0)))
+  params = SamplingParams(1.0, top_k=top_k)
+  np.testing.assert_allclose(process_logits(logits, params), want, rtol=1e-6)
+  rows = np.stack([logits, logits])
+  u = np.array([0.0, 0.999], np.float32)  # accept the draft, then the last token of the row
+  result = verify_logits(rows, rows[:1], np.array([1]), u, params)
+  assert result.tokens.tolist() == [1, 3] and int(result.error) == 0
+  packed = _packed(target_probs=None, target_logits=rows, params=params, uniforms=u[None])
+  assert packed.tokens.tolist() == [[1, 3]] and int(packed.error[0]) == 0
+  out = generate(TARGET, PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=2, params=params)
+  np.testing.assert_array_equal(out.error, 0)
+
+
+def test_a_chunk_longer_than_the_run_is_one_chunk():
+  calls = []
+  out = speculative_generate(TARGET, SMALL, PROMPT, LENGTHS, jax.random.key(0), gamma=2,
+                             max_new_tokens=3, on_tokens=lambda _, n: calls.append(n),
+                             chunk_iterations=10**12)
+  assert len(calls) == 1
+  np.testing.assert_array_equal(calls[0], out.lengths)

@@ -67,12 +67,26 @@ class AdaptiveSpeculation(NamedTuple):
   prior_rejected: float = 1.0
 
 
+_LARGEST = 1e30
+
+
 def check_policy(policy: AdaptiveSpeculation, name: str) -> AdaptiveSpeculation:
   """The policy with float fields, or ``ValueError`` naming the bad field."""
   if not isinstance(policy, AdaptiveSpeculation):
     raise TypeError(f"{name}: `adaptive` must be an AdaptiveSpeculation or None, got "
                     f"{type(policy).__name__} instead.")
-  values = {k: float(v) for k, v in policy._asdict().items()}
+  values = {}
+  for field, value in policy._asdict().items():
+    try:
+      values[field] = float(value)
+    except (TypeError, ValueError):
+      raise TypeError(f"{name}: `adaptive.{field}` must be a real number, got {value!r} "
+                      "instead.") from None
+    # The estimate runs in float32: a value it cannot hold with room for sums (inf, 1e300)
+    # would become inf or NaN there and silently switch speculation off.
+    if not abs(values[field]) <= _LARGEST:
+      raise ValueError(f"{name}: `adaptive.{field}` must be finite and at most {_LARGEST:g} in "
+                       f"magnitude (the estimate runs in float32), got {value!r} instead.")
   for field in ("draft_cost", "verify_cost", "fixed_cost"):
     if not values[field] >= 0:
       raise ValueError(f"{name}: `adaptive.{field}` must be >= 0, got {values[field]} instead.")

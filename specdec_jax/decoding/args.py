@@ -122,7 +122,7 @@ def row_keys(key, batch: int, name: str) -> jax.Array:
 
 def batch_params(params: SamplingParams, batch: int, name: str) -> SamplingParams:
   """Check (:func:`~specdec_jax._logits.check_params`) and broadcast every field to ``(B,)``."""
-  check_params(params, name, batch)
+  params = check_params(params, name, batch)
   dtypes = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32}
   fields = {}
   for field, value in zip(params._fields, params, strict=True):

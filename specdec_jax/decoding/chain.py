@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from specdec_jax._block import block_verify
+from specdec_jax._checks import check_pad_id
 from specdec_jax._logits import SamplingParams
 from specdec_jax._verify import verify
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
@@ -195,7 +196,7 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
                     check_eos(eos_id, name, vocab)))
   static = dict(target=target_fns, draft=draft_static, verifier=verifier, gamma=int(gamma),
                 max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
-                pad_id=int(pad_id), adaptive=adaptive)
+                pad_id=check_pad_id(name, pad_id), adaptive=adaptive)
   if on_tokens is None:
     return run_loop(speculative_loop, SpeculativeResult, args, _BATCH_ARGS, static,
                     prompt_index=2)
@@ -204,4 +205,7 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   if not isinstance(chunk_iterations, int | np.integer) or chunk_iterations < 1:
     raise ValueError(f"{name}: `chunk_iterations` must be an int >= 1, got "
                      f"{chunk_iterations!r} instead.")
-  return streamed_loop(args, static, on_tokens, int(chunk_iterations))
+  # The loop never runs more than max_new_tokens + 1 iterations: a longer chunk is one chunk
+  # (and 10**12 would not fit the int32 counter).
+  return streamed_loop(args, static, on_tokens,
+                       min(int(chunk_iterations), int(max_new_tokens) + 1))

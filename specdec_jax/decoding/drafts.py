@@ -13,16 +13,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from specdec_jax._checks import is_concrete
 from specdec_jax._logits import sample_unchecked
 from specdec_jax.decoding.common import batch_rows
 from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.models.protocol import FeatureDraft
 from specdec_jax.models.protocol import Model
+from specdec_jax.models.protocol import check_vocab_ids
 
 
 class PromptLookup(NamedTuple):
@@ -58,6 +57,7 @@ class FeatureFns(NamedTuple):
   init_cache: Callable[[int, int], Any]
   draft_vocab: int
   tree_apply: Callable[..., Any] | None = None
+  label: str = "the draft"  # "speculative_generate: `draft`"
 
 
 def feature_fns(draft: FeatureDraft, target: Model, name: str, *,
@@ -72,16 +72,9 @@ def feature_fns(draft: FeatureDraft, target: Model, name: str, *,
   if tree and draft.tree_apply is None:
     raise ValueError(f"{name}: the FeatureDraft {draft.name!r} has no `tree_apply` (tree "
                      f"attention over the draft's nodes), needed to draft a tree.")
-  ids = draft.vocab_ids
-  if is_concrete(ids):
-    host = np.asarray(ids)
-    if host.ndim != 1 or host.size == 0 or host.min() < 0 or host.max() >= (
-        target.vocab_size) or np.unique(host).size != host.size:
-      raise ValueError(f"{name}: the draft's `vocab_ids` must be distinct ids in [0, "
-                       f"{target.vocab_size}), got shape {host.shape} instead.")
-  ids = jnp.asarray(ids, jnp.int32)
-  return (FeatureFns(draft.apply, draft.init_cache, int(ids.shape[0]), draft.tree_apply),
-          (draft.params, ids))
+  ids = check_vocab_ids(name, draft.vocab_ids, target.vocab_size)
+  return (FeatureFns(draft.apply, draft.init_cache, int(ids.shape[0]), draft.tree_apply,
+                     f"{name}: `draft`"), (draft.params, ids))
 
 
 #: A draft for :func:`speculative_generate`: another :class:`Model` (same vocabulary as the
@@ -212,7 +205,13 @@ def feature_prefill(draft: FeatureFns, draft_params, prompt, prompt_lengths, tar
   cache = draft.init_cache(batch, cache_len)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
   shifted = jnp.pad(target_features, ((0, 0), (1, 0), (0, 0)))[:, :width]
-  _, _, cache = draft.apply(params_d, model_ids(prompt, vocab), shifted, positions, cache)
+  logits, _, cache = draft.apply(params_d, model_ids(prompt, vocab), shifted, positions, cache)
+  if tuple(logits.shape) != (batch, width, draft.draft_vocab):
+    raise ValueError(
+      f"{draft.label} returned logits of shape {tuple(logits.shape)} for ids of shape "
+      f"{(batch, width)}; expected (B, T, K) = {(batch, width, draft.draft_vocab)}, one column "
+      f"per entry of its `vocab_ids` (K = {draft.draft_vocab})."
+    )
   last = target_features[batch_rows(batch), prompt_lengths - 1]
   features = jnp.zeros((batch, gamma + 1, *last.shape[1:]), last.dtype).at[:, 0].set(last)
   return cache, features, prompt_lengths

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._checks import check_pad_id
 from specdec_jax._logits import SamplingParams
 from specdec_jax._sampling import sample_index
 from specdec_jax.decoding.args import auto_axes
@@ -142,6 +143,6 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
   args = auto_axes((model.params, prompt, lengths, tokens_ok, make_row_keys(key, batch, name),
                     batch_params(params, batch, name), check_eos(eos_id, name, fns.vocab_size)))
   static = dict(target=fns, max_new_tokens=int(max_new_tokens), max_len=max_len,
-                context=context, pad_id=int(pad_id))
+                context=context, pad_id=check_pad_id(name, pad_id))
   batch_args = (False, True, True, True, True, True, False)
   return run_loop(generate_loop, GenerateResult, args, batch_args, static, prompt_index=1)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specdec_jax._checks import check_pad_id
 from specdec_jax._logits import SamplingParams
 from specdec_jax._tree import tree_verify
 from specdec_jax.decoding.args import StaticFunction
@@ -328,7 +329,7 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
                     check_eos(eos_id, name, vocab)))
   static = dict(target=target_fns, draft=draft_fns, tree=tree, law=law,
                 tree_verifier=tree_verifier, max_new_tokens=int(max_new_tokens), max_len=max_len,
-                context=context, pad_id=int(pad_id))
+                context=context, pad_id=check_pad_id(name, pad_id))
   batch_args = (False, False, True, True, True, True, True, False)
   return run_loop(tree_loop, SpeculativeResult, args, batch_args, static, prompt_index=2)
 

@@ -39,6 +39,7 @@ from specdec_jax.models.llama import init_cache as llama_init_cache
 from specdec_jax.models.llama import rope_angles
 from specdec_jax.models.llama import tree_visibility
 from specdec_jax.models.protocol import FeatureDraft
+from specdec_jax.models.protocol import check_vocab_ids
 
 
 class EagleWeights(NamedTuple):
@@ -180,14 +181,10 @@ def make_eagle_draft(weights: EagleWeights, vocab_ids: np.ndarray | jax.Array,
   Reference:
     Li et al., "EAGLE", arXiv:2401.15077; Zhao et al., "FR-Spec", arXiv:2502.14856.
   """
-  ids = np.asarray(vocab_ids, np.int64)
-  v = target_config.vocab_size
-  if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= v or (
-      np.unique(ids).size != ids.size):
-    raise ValueError(f"make_eagle_draft: `vocab_ids` must be distinct ids in [0, {v}), got "
-                     f"shape {ids.shape} with range [{ids.min(initial=0)}, {ids.max(initial=0)}].")
+  if isinstance(vocab_ids, range):
+    vocab_ids = np.asarray(vocab_ids)
+  ids = check_vocab_ids("make_eagle_draft", vocab_ids, target_config.vocab_size)
   head_all = target_params.embed if target_params.output is None else target_params.output
-  ids = jnp.asarray(ids, jnp.int32)
   params = EagleParams(weights=jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), weights),
                        embed=target_params.embed, head=jnp.take(head_all, ids, axis=0))
   apply, cache, tree_apply = _functions(layer_config(target_config))

@@ -43,6 +43,14 @@ from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax._checks import INT
+from specdec_jax._checks import host_array
+from specdec_jax._checks import is_concrete
+
 
 class Model(NamedTuple):
   """A language model as pure functions (see the module docstring for the contract).
@@ -121,3 +129,29 @@ class FeatureDraft(NamedTuple):
   vocab_ids: Any
   name: str = "feature draft"
   tree_apply: Callable[..., Any] | None = None
+
+
+def check_vocab_ids(fn: str, vocab_ids, vocab: int) -> jax.Array:
+  """A draft vocabulary as int32 ``(K,)``: distinct integer token ids in ``[0, vocab)``.
+
+  Integer dtype and shape always raise; range and distinctness where the host can read the
+  values. Float ids are refused, not truncated (``[0.5, 1.5]`` is not ``[0, 1]``).
+
+  Example:
+    >>> check_vocab_ids("f", [3, 1, 2], 8).tolist()
+    [3, 1, 2]
+  """
+  ids = host_array(fn, "vocab_ids", vocab_ids, INT)
+  dtype = ids.dtype if hasattr(ids, "dtype") else np.asarray(ids).dtype
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{fn}: `vocab_ids` must be integer token ids, got dtype {dtype} instead.")
+  if jnp.ndim(ids) != 1 or jnp.shape(ids)[0] == 0:
+    raise ValueError(f"{fn}: `vocab_ids` must have shape (K,) with K >= 1, got "
+                     f"{tuple(jnp.shape(ids))} instead.")
+  if is_concrete(ids):
+    host = np.asarray(ids).astype(np.int64)
+    if host.min() < 0 or host.max() >= vocab or np.unique(host).size != host.size:
+      raise ValueError(f"{fn}: `vocab_ids` must be distinct ids in [0, {vocab}), got "
+                       f"{host.size} ids in [{host.min()}, {host.max()}]"
+                       f"{'' if np.unique(host).size == host.size else ' with repeats'}.")
+  return jnp.asarray(ids, jnp.int32)

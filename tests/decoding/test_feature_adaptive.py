@@ -28,6 +28,8 @@ from specdec_jax.decoding.adaptive import choose_num_draft
 from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import propose_features
+from specdec_jax.models import eagle
+from specdec_jax.models import llama
 from specdec_jax.models.toy import make_toy_feature_draft
 from specdec_jax.models.toy import make_toy_model
 from specdec_jax.theory import chi_square_test
@@ -124,6 +126,23 @@ def test_feature_draft_errors():
   bad = PERFECT._replace(vocab_ids=np.array([0, 0, 3]))
   with pytest.raises(ValueError, match="`vocab_ids` must be distinct ids in"):
     _run(bad)
+  short = PERFECT._replace(vocab_ids=np.arange(V - 1))  # its head still has V columns
+  with pytest.raises(ValueError, match=rf"speculative_generate: `draft` returned logits of shape "
+                     rf"\(\d+, \d+, {V}\) .* one column per entry of its `vocab_ids` "
+                     rf"\(K = {V - 1}\)"):
+    _run(short)
+
+
+def test_float_vocab_ids_are_refused_not_truncated():
+  floats = PERFECT._replace(vocab_ids=np.arange(V) + 0.5)
+  with pytest.raises(TypeError, match="speculative_generate: `vocab_ids` must have an integer "
+                     "dtype, got float64"):
+    _run(floats)
+  c = llama.LlamaConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                        ffn_dim=32)
+  with pytest.raises(TypeError, match="make_eagle_draft: `vocab_ids` must have an integer dtype"):
+    eagle.make_eagle_draft(eagle.init_weights(jax.random.key(1), c), [0.5, 1.5, 2.5],
+                           llama.init_params(jax.random.key(0), c), c)
 
 
 # ---------------------------------------------------------------------------------------------
