@@ -366,6 +366,16 @@ MUTANTS: tuple[Mutant, ...] = (
      "    if not abs(values[field]) <= float('inf'):",
      "an infinite adaptive prior passes (NaN in float32: speculation silently switches off)",
      "tests/test_reliability.py", "-k", "coerced"),
+  _m("gguf-head-shape-unchecked", "app/gguf.py",
+     '    shapes["output.weight"] = (c.vocab_size, D)',
+     "    pass",
+     "an output head whose rows contradict llama.vocab_size loads (and generates with error 0)",
+     "tests/app/test_gguf.py", "-k", "head-7-rows"),
+  _m("gguf-zero-metadata-accepted", "app/gguf.py",
+     "not 0 < value < math.inf",
+     "not 0 <= value < math.inf",
+     "head_count = 0 / block_count = 0 pass the metadata check (ZeroDivisionError, empty model)",
+     "tests/app/test_gguf.py", "-k", "head_count-0 or block_count-0"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",

@@ -24,11 +24,16 @@ Where the SmolLM2 file comes from is :mod:`specdec_jax.app.smollm2`'s business.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import re
+import struct
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from typing import NoReturn
 
 import jax.numpy as jnp
 import numpy as np
@@ -62,13 +67,29 @@ def _gguf():
   return gguf
 
 
+class GGUFError(ValueError):
+  """A GGUF file the loader cannot use: cut short, metadata missing or inconsistent, a tensor of
+  the wrong shape or of a type it cannot dequantize. The message names the function, the file
+  and the metadata key or the tensor."""
+
+
 def open_gguf(path: str | os.PathLike[str]) -> Any:
-  """Open a GGUF file (memory-mapped) as a ``gguf.GGUFReader``."""
-  return _gguf().GGUFReader(Path(path))
+  """Open a GGUF file (memory-mapped) as a ``gguf.GGUFReader``.
+
+  Raises:
+    GGUFError: not a GGUF file, cut short (the message names the header field or the tensor the
+      end of the file cuts), or a tensor type id the ``gguf`` package does not know.
+  """
+  return _open(path, "open_gguf")
 
 
-def _as_reader(source: Any) -> Any:
-  return open_gguf(source) if isinstance(source, str | os.PathLike) else source
+def _open(path: str | os.PathLike[str], where: str) -> Any:
+  gguf = _gguf()
+  try:
+    return gguf.GGUFReader(Path(path))
+  except (ValueError, IndexError, KeyError, OverflowError) as e:
+    why = _diagnose(Path(path), gguf) or f"not a readable GGUF file ({type(e).__name__}: {e})"
+    raise GGUFError(f"{where}: {path}: {why}") from e
 
 
 def metadata(reader: Any, key: str, default: Any = None) -> Any:
@@ -85,36 +106,74 @@ def config_from_gguf(reader: Any) -> LlamaConfig:
 
   Returns:
     The config; ``tie_embeddings`` is set when the file has no ``output.weight`` tensor.
+
+  Raises:
+    GGUFError: the architecture is not llama; a key is missing, or is not a positive integer
+      (the floats: a positive finite number); or keys contradict each other (a width that the
+      heads do not divide, query heads not a multiple of the key/value heads, an odd head size,
+      a value or RoPE size other than the head size, more tokens than ``vocab_size``). The
+      message names the file, the key and its value.
+    NotImplementedError: the file asks for RoPE scaling.
   """
+  return _config(reader, "config_from_gguf")
+
+
+def _config(reader: Any, where: str) -> LlamaConfig:
+  file = _file_of(reader)
+
+  def fail(message: str) -> NoReturn:
+    raise GGUFError(f"{where}: {file}: {message}")
+
   arch = metadata(reader, "general.architecture")
   if arch != "llama":
-    raise ValueError(f"only the llama architecture is supported, the file says {arch!r}")
+    fail(f"general.architecture = {arch!r}: only the llama architecture is supported")
   scaling = metadata(reader, "llama.rope.scaling.type", "none")
   if scaling not in ("none", None):
-    raise NotImplementedError(f"RoPE scaling {scaling!r} is not implemented")
+    raise NotImplementedError(f"{where}: {file}: RoPE scaling {scaling!r} is not implemented")
 
-  def get(key, default=None):
+  def get(key, default=None, number=False):
     value = metadata(reader, f"llama.{key}", default)
     if value is None:
-      raise ValueError(f"GGUF metadata llama.{key} is missing")
+      fail(f"metadata llama.{key} is missing")
+    kinds = (int, float) if number else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < math.inf:
+      fail(f"llama.{key} = {repr(value)[:60]}: it must be a positive "
+           + ("finite number" if number else "integer"))
     return value
 
-  dim = int(get("embedding_length"))
-  n_heads = int(get("attention.head_count"))
-  tokens = metadata(reader, "tokenizer.ggml.tokens")
-  names = {t.name for t in reader.tensors}
+  dim, n_heads = get("embedding_length"), get("attention.head_count")
+  n_kv_heads = get("attention.head_count_kv", n_heads)
+  if n_heads % n_kv_heads:
+    fail(f"llama.attention.head_count = {n_heads} is not a multiple of "
+         f"llama.attention.head_count_kv = {n_kv_heads}")
+  if metadata(reader, "llama.attention.key_length") is None and dim % n_heads:
+    fail(f"llama.embedding_length = {dim} is not a multiple of llama.attention.head_count = "
+         f"{n_heads} (and llama.attention.key_length is absent)")
+  head_dim = get("attention.key_length", dim // n_heads)
+  if head_dim % 2:
+    fail(f"the head size (llama.attention.key_length or embedding_length / head_count) is "
+         f"{head_dim}: RoPE needs an even one")
+  for key in ("attention.value_length", "rope.dimension_count"):
+    if metadata(reader, f"llama.{key}") is not None and get(key) != head_dim:
+      fail(f"llama.{key} = {get(key)} differs from the head size {head_dim}: not implemented")
+  tokens = reader.fields.get("tokenizer.ggml.tokens")
+  n_tokens = None if tokens is None else len(tokens.data)
+  vocab_size = get("vocab_size", n_tokens)
+  if n_tokens is not None and n_tokens > vocab_size:
+    fail(f"tokenizer.ggml.tokens lists {n_tokens} tokens, more than llama.vocab_size = "
+         f"{vocab_size} (their ids would index past the embedding)")
   return LlamaConfig(
-    vocab_size=int(get("vocab_size", len(tokens) if tokens is not None else None)),
+    vocab_size=vocab_size,
     dim=dim,
-    n_layers=int(get("block_count")),
+    n_layers=get("block_count"),
     n_heads=n_heads,
-    n_kv_heads=int(get("attention.head_count_kv", n_heads)),
-    head_dim=int(get("attention.key_length", dim // n_heads)),
-    ffn_dim=int(get("feed_forward_length")),
-    rope_theta=float(get("rope.freq_base", 10000.0)),
-    norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-    tie_embeddings="output.weight" not in names,
-    max_position=int(get("context_length", 2048)),
+    n_kv_heads=n_kv_heads,
+    head_dim=head_dim,
+    ffn_dim=get("feed_forward_length"),
+    rope_theta=float(get("rope.freq_base", 10000.0, number=True)),
+    norm_eps=float(get("attention.layer_norm_rms_epsilon", number=True)),
+    tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
+    max_position=get("context_length", 2048),
   )
 
 
@@ -146,25 +205,30 @@ def load_gguf_llama(source: Any, *, progress: bool = True) -> tuple[LlamaParams,
   Returns:
     ``(params, config)``, the params as JAX float32 arrays in the layout of
     :mod:`specdec_jax.models.llama` (about 4 bytes per parameter: 540 MB for SmolLM2-135M).
+
+  Raises:
+    GGUFError: the file is cut short or unreadable (as in :func:`open_gguf`), its metadata is
+      missing or inconsistent (:func:`config_from_gguf`), or, before anything is dequantized,
+      a tensor is missing, has a type the loader cannot dequantize, has a shape other than the
+      one the metadata implies (:func:`expected_shapes`), or is in a block past
+      ``llama.block_count``. Each message names the function, the file and the key or tensor.
   """
   gguf = _gguf()
-  reader = _as_reader(source)
-  config = config_from_gguf(reader)
+  reader = _open(source, "load_gguf_llama") if isinstance(source, str | os.PathLike) else source
+  config = _config(reader, "load_gguf_llama")
   tensors = {t.name: t for t in reader.tensors}
+  _check_tensors(tensors, config, _file_of(reader), _readable_types(gguf))
   c = config
   total = c.n_layers * len(_LAYER_TENSORS) + 2 + (0 if c.tie_embeddings else 1)
   done, start = 0, time.perf_counter()
-  label = Path(reader.data.filename).name if hasattr(reader.data, "filename") else "GGUF"
+  label = Path(_file_of(reader)).name
   interactive = sys.stderr.isatty()  # redraw the count in place; otherwise one final line
 
   def load(name: str) -> np.ndarray:
     nonlocal done
-    if name not in tensors:
-      raise KeyError(f"tensor {name!r} is missing from the GGUF file")
     t = tensors[name]
     a = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-    expected = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
-    a = a.reshape(expected)
+    a = a.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims innermost first
     done += 1
     if progress and (done == total or (interactive and done % 16 == 0)):
       end = f" ({time.perf_counter() - start:.1f} s)\n" if done == total else ""
@@ -186,21 +250,148 @@ def load_gguf_llama(source: Any, *, progress: bool = True) -> tuple[LlamaParams,
   final_norm = jnp.asarray(load("output_norm.weight"))
   output = None if c.tie_embeddings else jnp.asarray(load("output.weight"))  # (V, D)
   params = LlamaParams(embed=embed, layers=layers, final_norm=final_norm, output=output)
-  _check_shapes(params, c)
   return params, c
 
 
-def _check_shapes(p: LlamaParams, c: LlamaConfig) -> None:
-  n_q, n_kv, L = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_layers
-  expected = {
-    "embed": (p.embed.shape, (c.vocab_size, c.dim)),
-    "wq": (p.layers.wq.shape, (L, c.dim, n_q)),
-    "wk": (p.layers.wk.shape, (L, c.dim, n_kv)),
-    "wv": (p.layers.wv.shape, (L, c.dim, n_kv)),
-    "wo": (p.layers.wo.shape, (L, n_q, c.dim)),
-    "w_gate": (p.layers.w_gate.shape, (L, c.dim, c.ffn_dim)),
-    "w_down": (p.layers.w_down.shape, (L, c.ffn_dim, c.dim)),
-  }
-  for name, (got, want) in expected.items():
-    if tuple(got) != want:
-      raise ValueError(f"{name} has shape {tuple(got)}, the metadata implies {want}")
+def _file_of(reader: Any) -> str:
+  return str(getattr(getattr(reader, "data", None), "filename", None) or "<GGUF reader>")
+
+
+def _readable_types(gguf: Any) -> list[str]:
+  """The tensor types ``gguf.quants.dequantize`` reads: F32, F16 and its quantization classes."""
+  traits = getattr(gguf.quants, "_type_traits", {})
+  return [t.name for t in gguf.GGMLQuantizationType if t.name in ("F32", "F16") or t in traits]
+
+
+def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+  """Each tensor :func:`load_gguf_llama` reads and the shape ``c`` implies for it, in NumPy
+  (row-major) order: ``(out, in)`` for a projection (GGUF lists the dims innermost first)."""
+  D, q, kv, F = c.dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.ffn_dim
+  layer = {"attn_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D), "wo": (D, q),
+           "mlp_norm": (D,), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
+  shapes = {"token_embd.weight": (c.vocab_size, D), "output_norm.weight": (D,)}
+  if not c.tie_embeddings:
+    shapes["output.weight"] = (c.vocab_size, D)
+  for i in range(c.n_layers):
+    shapes.update({f"blk.{i}.{_LAYER_TENSORS[f]}.weight": s for f, s in layer.items()})
+  return shapes
+
+
+def _check_tensors(tensors: dict[str, Any], c: LlamaConfig, file: str, readable: list[str]):
+  where = f"load_gguf_llama: {file}: tensor"
+  sizes = (f"V={c.vocab_size}, D={c.dim}, H={c.n_heads}, KV={c.n_kv_heads}, hd={c.head_dim}, "
+           f"F={c.ffn_dim}, L={c.n_layers}")
+  for name, want in expected_shapes(c).items():
+    t = tensors.get(name)
+    if t is None:
+      raise GGUFError(f"{where} {name!r} is missing (the metadata implies {want}; {sizes})")
+    if t.tensor_type.name not in readable:
+      raise GGUFError(f"{where} {name!r} has type {t.tensor_type.name}, which the loader cannot "
+                      f"dequantize; supported types: {', '.join(readable)}")
+    got = tuple(int(n) for n in reversed(t.shape))
+    if got != want:
+      raise GGUFError(f"{where} {name!r} has shape {got}, the metadata implies {want} ({sizes})")
+  for name in tensors:
+    block = re.match(r"blk\.(\d+)\.", name)
+    if block and int(block[1]) >= c.n_layers:
+      raise GGUFError(f"{where} {name!r} is in block {block[1]}, but llama.block_count = "
+                      f"{c.n_layers} (blocks 0..{c.n_layers - 1})")
+
+
+class _Found(Exception):
+  """What :func:`_diagnose` found wrong (its message)."""
+
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9  # GGUFValueType
+
+
+def _diagnose(path: Path, gguf: Any) -> str | None:
+  """What is wrong with a file the ``gguf`` package could not read (None: nothing found).
+
+  Walks the header (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) with a bounds
+  check on every read: the first field or tensor the end of the file cuts, an unknown value
+  or tensor type, a quantized row that is not a whole number of blocks.
+  """
+  with open(path, "rb") as f:
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+      return "the file is empty"
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+      try:
+        return _walk(m, size, gguf)
+      except _Found as e:
+        return str(e)
+
+
+def _walk(m: Any, size: int, gguf: Any) -> str | None:
+  pos, order = 0, "<"
+
+  def take(n: int, what: str) -> bytes:
+    nonlocal pos
+    if pos + n > size:
+      raise _Found(f"the file ends inside {what} (bytes {pos}..{pos + n} of a file of {size}; "
+                   "cut short?)")
+    pos += n
+    return m[pos - n : pos]
+
+  def num(fmt: str, what: str) -> int:
+    return struct.unpack(order + fmt, take(struct.calcsize(fmt), what))[0]
+
+  def text(what: str) -> str:
+    return take(num("Q", what), what).decode("utf-8", "replace")
+
+  def skip_value(kind: int, what: str) -> bytes | None:
+    if kind in _SCALAR_BYTES:
+      return take(_SCALAR_BYTES[kind], what)
+    if kind == _STRING:
+      text(what)
+    elif kind == _ARRAY:
+      item, count = num("I", what), num("Q", what)
+      if item in _SCALAR_BYTES:
+        take(count * _SCALAR_BYTES[item], what)
+      else:
+        for _ in range(count):
+          skip_value(item, what)
+    else:
+      raise _Found(f"{what} has the unknown value type {kind}")
+    return None
+
+  if take(4, "the magic number") != b"GGUF":
+    return "not a GGUF file (it does not start with b'GGUF')"
+  raw = take(4, "the version")
+  if struct.unpack("<I", raw)[0] & 0xFFFF == 0:
+    order = ">"  # written on a big-endian machine
+  if (version := struct.unpack(order + "I", raw)[0]) not in (2, 3):
+    return f"GGUF version {version} is not supported (2 and 3 are)"
+  n_tensors, n_kv = num("Q", "the tensor count"), num("Q", "the metadata count")
+  alignment = 32
+  for i in range(n_kv):
+    key = text(f"the name of metadata entry {i}")
+    value = skip_value(num("I", f"the type of metadata {key!r}"), f"metadata {key!r}")
+    if key == "general.alignment" and value is not None and len(value) == 4:
+      alignment = struct.unpack(order + "I", value)[0] or 32
+  infos = []
+  for j in range(n_tensors):
+    name = text(f"the name of tensor {j}")
+    what = f"the description of tensor {name!r}"
+    dims = [num("Q", what) for _ in range(num("I", what))]
+    infos.append((name, dims, num("I", what), num("Q", what)))
+  data_start = -(-pos // alignment) * alignment
+  readable = _readable_types(gguf)
+  for name, dims, type_id, offset in infos:
+    try:
+      qtype = gguf.GGMLQuantizationType(type_id)
+    except ValueError:
+      return f"tensor {name!r} has the unknown type id {type_id}; supported types: " + ", ".join(
+        readable)
+    block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    if dims and dims[0] % block:
+      return (f"tensor {name!r} has rows of {dims[0]} values, not a whole number of "
+              f"{qtype.name} blocks of {block}")
+    start = data_start + offset
+    end = start + math.prod(dims) // block * type_bytes
+    if end > size:
+      return (f"tensor {name!r} ({qtype.name}, GGUF dims {dims}) is cut: its data needs bytes "
+              f"{start}..{end}, the file has {size} (cut short?)")
+  return None
