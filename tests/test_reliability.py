@@ -467,3 +467,13 @@ def test_a_chunk_longer_than_the_run_is_one_chunk():
                              chunk_iterations=10**12)
   assert len(calls) == 1
   np.testing.assert_array_equal(calls[0], out.lengths)
+
+
+def test_an_empty_batch_gives_an_empty_result():
+  """B = 0 (no requests) raised NumPy's "zero-size array to reduction"; now every loop returns
+  empty arrays of the usual shapes."""
+  prompt, lengths = np.zeros((0, 4), np.int32), np.zeros((0,), np.int32)
+  for name, fn in _loops().items():
+    out = fn(prompt, lengths, jax.random.key(0), max_new_tokens=3)
+    assert out.tokens.shape == (0, 7) and out.num_new.shape == (0,), name
+    assert out.error.shape == (0,) and out.stats.row_target_calls.shape == (0,), name

@@ -135,7 +135,7 @@ class Tokenizer:
     Returns:
       The token ids.
     """
-    return self.hf.encode(text, add_special_tokens=False).ids
+    return self.hf.encode(_text("Tokenizer.encode", "text", text), add_special_tokens=False).ids
 
   def encode_literal(self, text: str) -> list[int]:
     """Token ids of ``text`` with no control token: ``<|im_end|>`` written in the text is
@@ -147,6 +147,7 @@ class Tokenizer:
     Returns:
       The token ids, none of them a control token's.
     """
+    text = _text("Tokenizer.encode_literal", "text", text)
     if self._literal is None:  # a copy that reads control-token text as text (thread-safe)
       self._literal = type(self.hf).from_str(self.hf.to_str())
       self._literal.encode_special_tokens = True
@@ -175,6 +176,9 @@ class Tokenizer:
       ChatTemplateError: the template changes a message's text (trims or rewrites it), so the
         messages cannot be placed literally.
     """
+    _text("Tokenizer.chat_ids", "user_message", user_message)
+    if system is not None:
+      _text("Tokenizer.chat_ids", "system", system)
     real = self.chat_prompt(user_message, system)
     texts = [user_message] if system is None else [system, user_message]
     if not any(token in text for text in texts for token in self.special_tokens):
@@ -238,3 +242,17 @@ class Tokenizer:
     return chat_prompt(self.chat_template, user_message, system,
                        bos_token=self.id_to_token(self.bos_id) or "",
                        eos_token=self.id_to_token(self.eos_id) or "")
+
+
+def _text(fn: str, arg: str, text) -> str:
+  """``text`` if it is a ``str`` that UTF-8 can encode, else a ``TypeError``/``ValueError``
+  naming the argument (a lone surrogate such as ``"\\ud800"`` is not text a model can read)."""
+  if not isinstance(text, str):
+    raise TypeError(f"{fn}: `{arg}` must be a str, got {type(text).__name__} instead.")
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(f"{fn}: `{arg}` must be valid Unicode text, got the lone surrogate "
+                     f"{text[e.start]!r} at index {e.start} (it has no UTF-8 encoding)."
+                     ) from None
+  return text

@@ -156,7 +156,7 @@ def check_budget(max_new_tokens, max_len, width: int, lengths, name: str,
     )
   known = [(arg, int(c)) for arg, c in contexts if c is not None]
   context = min((c for _, c in known), default=None)
-  if is_concrete(lengths):
+  if is_concrete(lengths) and np.size(lengths):  # (an empty batch needs no room)
     need = int(np.max(np.asarray(lengths))) + int(max_new_tokens)
     if need > max_len:
       raise ValueError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -107,7 +109,7 @@ def advance(tokens, lengths, done, new, counts, common: Common):
 def nonfinite_rows(probs: jax.Array) -> jax.Array:
   """``NONFINITE`` for each row ``(B, ..., V)`` whose processed distribution is NaN, else 0."""
   bad = jnp.isnan(jnp.sum(probs, axis=-1))
-  return flag(bad.reshape(bad.shape[0], -1).any(axis=1), ErrorCode.NONFINITE)
+  return flag(bad.reshape(bad.shape[0], math.prod(bad.shape[1:])).any(axis=1), ErrorCode.NONFINITE)
 
 
 def make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id, *, max_new_tokens: int,

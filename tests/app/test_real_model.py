@@ -266,3 +266,16 @@ def test_the_committed_draft_is_compact(smollm2):
   _, config, tok = smollm2
   assert tok.eos_id in vocab_ids.tolist() and len(vocab_ids) <= config.vocab_size // 4
   assert all(a.dtype == np.float32 for a in jax.tree.leaves(weights))  # float16 on disk
+
+
+def test_text_that_is_not_unicode_is_named(smollm2):
+  """A lone surrogate has no UTF-8 encoding: the tokenizer's bare "TextInputSequence must be
+  str" becomes an error naming the method, the argument and the character."""
+  tok = smollm2.tokenizer
+  for call, where in ((tok.encode, "encode: `text`"), (tok.encode_literal, "encode_literal"),
+                      (tok.chat_ids, "chat_ids: `user_message`")):
+    with pytest.raises(ValueError, match=rf"Tokenizer.{where}.* must be valid Unicode text, got "
+                       r"the lone surrogate '\\ud800' at index 3"):
+      call("hi \ud800 there")
+  with pytest.raises(TypeError, match=r"Tokenizer.encode: `text` must be a str, got bytes"):
+    tok.encode(b"hi")
