@@ -67,6 +67,9 @@ class PackedTreeVerifyResult(NamedTuple):
     path: int32 ``(B, max_depth + 1)``: the accepted nodes (tree indices ``u``), then ``-1``.
     accept_index: int32 ``(B, max_depth + 1)``: sglang's ``accept_index``, the flat rows
       ``b * N + u`` of the root and then of the accepted nodes, ``-1`` after.
+    predicts: int32 ``(B * N,)``: sglang's ``predicts``, the token emitted after each node of
+      the accepted path (row ``b * N + u``: the next accepted token, or the final one after
+      the last accepted node), ``pad_id`` at every other node.
   """
 
   tokens: jax.Array
@@ -77,6 +80,7 @@ class PackedTreeVerifyResult(NamedTuple):
   error: jax.Array
   path: jax.Array
   accept_index: jax.Array
+  predicts: jax.Array
 
 
 #: The name of earlier versions, kept as an alias.
@@ -139,7 +143,7 @@ def malformed_links(first_child: jax.Array, next_sibling: jax.Array) -> jax.Arra
 TREE_PACKED_ARRAYS = {"candidates": INT, "retrive_next_token": INT,
                       "retrive_next_sibling": INT, "target_probs": FLOAT, "target_logits": FLOAT,
                       "draft_probs": FLOAT, "draft_logits": FLOAT, "uniforms": FLOAT,
-                      "coins": FLOAT, "key": KEY}
+                      "coins": FLOAT, "key": KEY, "final_coins": FLOAT}
 
 
 def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
@@ -151,8 +155,8 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
                        params: SamplingParams | None = None, law: str = "deterministic",
                        key: ArrayLike | None = None, uniforms: ArrayLike | None = None,
                        coins: ArrayLike | None = None, uniform_layout: str = "per_parent",
-                       convention: str = "specdec",
-                       pad_id: int = -1) -> PackedTreeVerifyResult:
+                       convention: str = "specdec", pad_id: int = -1,
+                       final_coins: ArrayLike | None = None) -> PackedTreeVerifyResult:
   """Exact tree verification of ``B`` draft trees in sglang-jax's encoding (jitted).
 
   Each tree is verified by :func:`~specdec_jax.tree_verify` (recursive rejection sampling)
@@ -190,6 +194,9 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
     key: one ``jax.random`` key (``uniforms = uniform(key, (B, N))``) or ``B`` keys, one per
       request (``uniform(key_i, (N,))``: results independent of the batch).
     coins: the old name of ``uniforms`` (sglang's word), accepted as an alias.
+    final_coins: optional ``(B,)`` uniforms, one per request, for the final token (sglang's
+      ``uniform_samples_for_final_sampling``) in place of the layout's coin; with
+      ``uniforms`` only.
     uniform_layout: static, ``"per_parent"`` (sglang, default), ``"per_node"`` or
       ``"sequential"`` (see :func:`~specdec_jax.tree_verify`).
     convention: static, how ``params`` writes greedy / disabled (:func:`engine_params`).
@@ -218,13 +225,13 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
                           target_logits=target_logits, draft_probs=draft_probs,
                           draft_logits=draft_logits, params=params, law=law, key=key,
                           uniforms=uniforms, coins=coins, uniform_layout=uniform_layout,
-                          convention=convention, pad_id=pad_id)
+                          convention=convention, pad_id=pad_id, final_coins=final_coins)
 
 
 def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
                      retrive_next_sibling, *, max_depth, target_probs, target_logits,
                      draft_probs, draft_logits, params, law, key, uniforms, coins,
-                     uniform_layout, convention, pad_id,
+                     uniform_layout, convention, pad_id, final_coins=None,
                      lower=False) -> PackedTreeVerifyResult:
   """Host-side checks and conversion, then the jitted packed-tree body (over ``mesh``)."""
   if coins is not None and uniforms is not None:
@@ -233,8 +240,11 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
   args = dict(candidates=candidates, retrive_next_token=retrive_next_token,
               retrive_next_sibling=retrive_next_sibling, target_probs=target_probs,
               target_logits=target_logits, draft_probs=draft_probs, draft_logits=draft_logits,
-              uniforms=uniforms, key=key)
+              uniforms=uniforms, key=key, final_coins=final_coins)
   args = {k: host_array(name, k, v, TREE_PACKED_ARRAYS[k]) for k, v in args.items()}
+  if final_coins is not None and uniforms is None:
+    raise ValueError(f"{name}: `final_coins` go with `uniforms` (an engine's own coins); with "
+                     "a `key` every coin is drawn from it.")
   max_depth = check_static_int(name, "max_depth", max_depth, 0)
   pad_id = check_pad_id(name, pad_id)
   check_convention(name, convention)
@@ -281,7 +291,8 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
 @functools.partial(jax.jit, static_argnames=("max_depth", "law", "uniform_layout", "pad_id",
                                              "name", "mesh", "vocab_axis"))
 def packed_tree_jit(candidates, retrive_next_token, retrive_next_sibling, target_probs,
-                    target_logits, draft_probs, draft_logits, uniforms, key, params, *, max_depth,
+                    target_logits, draft_probs, draft_logits, uniforms, key, params,
+                    final_coins=None, *, max_depth,
                     law, uniform_layout, pad_id, name="packed_tree_verify", mesh=None,
                     vocab_axis=None):
   batch, size = candidates.shape
@@ -302,21 +313,29 @@ def packed_tree_jit(candidates, retrive_next_token, retrive_next_sibling, target
   elif uniforms.shape != (batch, size):
     raise ValueError(f"{name}: `uniforms` must have shape (B, N) = ({batch}, {size}), got "
                      f"{tuple(uniforms.shape)} instead.")
+  if final_coins is not None:
+    check_array(name, "final_coins", final_coins, 1, FLOAT, batch_hint=False)
+    if final_coins.shape != (batch,):
+      raise ValueError(f"{name}: `final_coins` must have shape (B,) = ({batch},), got "
+                       f"{tuple(final_coins.shape)} instead.")
+    uniforms = jnp.concatenate([uniforms, final_coins.astype(uniforms.dtype)[:, None]], axis=1)
   named = dict(candidates=candidates, retrive_next_token=retrive_next_token,
                retrive_next_sibling=retrive_next_sibling, target=target, draft=draft,
                uniforms=uniforms, params=params)
   body = functools.partial(packed_tree_body, max_depth=max_depth, law=law,
                            uniform_layout=uniform_layout, pad_id=pad_id,
-                           vocab=target.shape[1], draft_is_logits=draft_logits is not None)
+                           vocab=target.shape[1], draft_is_logits=draft_logits is not None,
+                           final_coin=final_coins is not None)
   if mesh is None:
     return body(named, axis_name=None)
   check_divisible(name, target_name, target.shape[1], mesh.shape[vocab_axis], vocab_axis)
   return over_vocab(body, mesh, vocab_axis, named, rows=("target", "draft"),
-                    out_specs=PackedTreeVerifyResult(*(P(),) * 8))
+                    out_specs=PackedTreeVerifyResult(*(P(),) * 9))
 
 
 def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
-                     draft_is_logits=False, axis_name=None) -> PackedTreeVerifyResult:
+                     draft_is_logits=False, final_coin=False,
+                     axis_name=None) -> PackedTreeVerifyResult:
   """The traced body of :func:`packed_tree_verify` (``axis_name``: vocabulary-split rows)."""
   candidates, target, draft = named["candidates"], named["target"], named["draft"]
   batch, size = candidates.shape
@@ -337,15 +356,18 @@ def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
   def one(parents, tokens, uniforms, offset):
     return TREE_RULE(target, draft, parents, tokens, uniforms, None, law=law, pad_id=pad_id,
                      max_depth=max_depth, uniform_layout=uniform_layout, vocab=vocab,
-                     axis_name=axis_name, offset=offset)
+                     axis_name=axis_name, offset=offset, final_coin=final_coin)
 
   offsets = jnp.arange(batch, dtype=jnp.int32) * size
   result = jax.vmap(one)(parents, candidates, named["uniforms"], offsets)
   accepted_rows = jnp.where(result.path >= 0, offsets[:, None] + result.path, -1)
   accept_index = jnp.concatenate([offsets[:, None], accepted_rows[:, :-1]], axis=1)
   error = result.error | error
+  written = accept_index >= 0  # the root and the accepted nodes: each emitted the next token
+  predicts = jnp.full((batch * size,), pad_id, jnp.int32).at[
+    jnp.where(written, accept_index, batch * size)].set(result.tokens, mode="drop")
   return PackedTreeVerifyResult(*result[:4], valid=error == 0, error=error, path=result.path,
-                                accept_index=accept_index)
+                                accept_index=accept_index, predicts=predicts)
 
 
 __all__ = ["PackedTreeResult", "PackedTreeVerifyResult", "malformed_links", "packed_tree_verify",

@@ -239,14 +239,16 @@ def tree_verify(p: ArrayLike, q: ArrayLike | None, parents: ArrayLike, tokens: A
 
 def tree_rows(p, q, parents, tokens, uniforms, num_nodes, *, law: str, pad_id: int,
               max_depth: int, uniform_layout: str, vocab: int,
-              axis_name: str | None = None, offset=0) -> TreeVerifyResult:
+              axis_name: str | None = None, offset=0,
+              final_coin: bool = False) -> TreeVerifyResult:
   """The body of :func:`tree_verify` for one tree whose rows may be vocab-sharded or packed.
 
   With ``axis_name`` (inside ``shard_map``) ``p``/``q`` hold this device's ``(N, V / n)``
   columns; the walk is replicated and only scalars cross devices (gathered entries, row
   sums, the sharded inverse CDF's partial masses and candidate). Packed trees: node ``u``'s
   rows are ``p[offset + u]`` of an array shared by the batch; ``q=None`` (only under
-  ``"deterministic"``, which never reads it) passes no draft rows.
+  ``"deterministic"``, which never reads it) passes no draft rows. ``final_coin``: the uniforms
+  hold ``N + 1`` entries, the last one for the final token (packed trees' ``final_coins``).
   """
   size = parents.shape[0]
   q_dtype = p.dtype if q is None else q.dtype
@@ -262,7 +264,7 @@ def tree_rows(p, q, parents, tokens, uniforms, num_nodes, *, law: str, pad_id: i
   is_node = (index > 0) & (index < real) & ~bad_parent
   walk = functools.partial(tree_walk, law=law, max_depth=max_depth, pad_id=pad_id,
                            layout=uniform_layout, local_vocab=p.shape[-1], dtype=dtype, tol=tol,
-                           axis_name=axis_name)
+                           axis_name=axis_name, final_coin=final_coin)
   end = per_sequence(walk, (p,) if q is None else (p, q), parents, safe_tokens,
                      token_in_range, uniforms.astype(dtype), is_node,
                      jnp.asarray(offset, jnp.int32))

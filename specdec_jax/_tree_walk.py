@@ -97,7 +97,7 @@ class Walk(NamedTuple):
 
 def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, offset=0, *,
               law: str, max_depth: int, pad_id: int, layout: str, local_vocab: int, dtype,
-              tol: float, axis_name: str | None = None,
+              tol: float, axis_name: str | None = None, final_coin: bool = False,
               looped: bool = True) -> WalkEnd:
   """The walk of :func:`~specdec_jax.tree_verify` for one tree, reading rows through ``readers``.
 
@@ -105,6 +105,8 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
   its own loop with real branches, so a pass over a node's rows happens only after a rejection
   (for the residual's new mass) and once at the end (for the final sample). With
   ``axis_name`` the rows hold this device's ``V / n`` columns and only scalars cross devices.
+  With ``final_coin`` the uniforms hold ``N + 1`` entries and the final token reads the last
+  (sglang's ``uniform_samples_for_final_sampling``) instead of the layout's coin.
   """
   p_rows = ArrayRows(shifted(readers[0], offset), local_vocab, axis_name)
   q_rows = ArrayRows(shifted(readers[-1], offset), local_vocab, axis_name)  # p again: no q
@@ -210,6 +212,7 @@ def tree_walk(readers, parents, safe_tokens, token_in_range, uniforms, is_node, 
 
   def finish(s: Walk) -> Walk:
     u = {"per_node": uniforms[0], "per_parent": s.coin}.get(layout, uniforms[s.tests])
+    u = uniforms[size] if final_coin else u
     # While raw, the weights are p (the fallback's frozen weights are p too): q is not read.
     masses, _, _, row_err = branch(looped, s.raw, lambda: pass_over(s, zero, False),
                                    lambda: pass_over(s, s.c, uses_q))

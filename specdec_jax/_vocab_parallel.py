@@ -350,7 +350,7 @@ def vocab_parallel_packed_tree_verify(mesh: Mesh, vocab_axis: str, *, max_depth:
   Returns:
     ``fn(candidates, retrive_next_token, retrive_next_sibling, *, target_probs=None,
     target_logits=None, draft_probs=None, draft_logits=None, params=None, key=None,
-    uniforms=None, coins=None) -> PackedTreeVerifyResult``, as
+    uniforms=None, coins=None, final_coins=None) -> PackedTreeVerifyResult``, as
     :func:`~specdec_jax.packed_tree_verify`.
 
   Example:
@@ -379,6 +379,6 @@ def vocab_parallel_packed_tree_verify(mesh: Mesh, vocab_axis: str, *, max_depth:
 
   def fn(candidates, retrive_next_token, retrive_next_sibling, *, target_probs=None,
          target_logits=None, draft_probs=None, draft_logits=None, params=None, key=None,
-         uniforms=None, coins=None) -> PackedTreeVerifyResult: ...
+         uniforms=None, coins=None, final_coins=None) -> PackedTreeVerifyResult: ...
 
   return Built(impl, fn, name, vocab_parallel_packed_tree_verify.__doc__)

@@ -107,25 +107,35 @@ def test_logits_with_per_request_params_and_greedy_rows():
   assert np.asarray(got.valid).all()
 
 
-def sglang_target_only(candidates, first, sibling, target, coins, depth):
+def sglang_target_only(candidates, first, sibling, target, coins, depth, final_coin=None):
   """NumPy port of sglang-jax's ``tree_speculative_sampling_target_only`` accept decisions
   (``threshold_single = threshold_acc = 1``): at each node, one coin; sibling ``i`` is accepted
   when the coin is at most the cumulative target mass of the siblings tested so far.
-  Returns ``(accepted node indices, their tokens)`` of one tree."""
-  node, path = 0, []
+  Returns ``(accepted node indices, their tokens)`` of one tree; with ``final_coin`` the tokens
+  end with the final one: ``relu(target - draft_probs)`` at the last accepted node (the tokens
+  rejected there zeroed, unless the path is ``depth`` long) by inverse CDF at
+  ``final_coin * mass``."""
+  node, path, rejected = 0, [], []
   for _ in range(depth):
-    coin, mass, child, accepted = coins[node], 0.0, first[node], None
+    coin, mass, child, accepted, rejected = coins[node], 0.0, first[node], None, []
     while child != -1:
       mass += target[node, candidates[child]]
       if coin <= mass:
         accepted = child
         break
+      rejected.append(int(candidates[child]))
       child = sibling[child]
     if accepted is None:
       break
     path.append(accepted)
-    node = accepted
-  return path, [int(candidates[c]) for c in path]
+    node, rejected = accepted, []
+  emitted = [int(candidates[c]) for c in path]
+  if final_coin is not None:
+    row = target[node].astype(np.float64).copy()
+    if len(path) < depth:
+      row[rejected] = 0.0
+    emitted.append(int(np.argmax(np.cumsum(row) > final_coin * row.sum())))
+  return path, emitted
 
 
 def test_accept_decisions_equal_sglang_target_only_coin_for_coin():
@@ -136,14 +146,22 @@ def test_accept_decisions_equal_sglang_target_only_coin_for_coin():
       for u in range(9):
         kids = np.flatnonzero(parents[b] == u)
         tokens[b, kids] = np.arange(len(kids)) + 3 * (u % 3)
+    final = np.random.default_rng(seed).random(len(tokens)).astype(np.float32)
     got = packed_tree_verify(tokens, first, sibling, max_depth=4,
-                             target_probs=p.reshape(-1, p.shape[-1]), coins=coins)
+                             target_probs=p.reshape(-1, p.shape[-1]), coins=coins,
+                             final_coins=final)
+    predicts = np.asarray(got.predicts).reshape(len(tokens), 9)
     for b in range(len(tokens)):
-      path, emitted = sglang_target_only(tokens[b], first[b], sibling[b], p[b], coins[b], 4)
+      path, emitted = sglang_target_only(tokens[b], first[b], sibling[b], p[b], coins[b], 4,
+                                         final[b])
       k = int(got.num_accepted[b])
       assert k == len(path), (seed, b)
-      assert np.asarray(got.tokens[b, :k]).tolist() == emitted
+      assert np.asarray(got.tokens[b, :k + 1]).tolist() == emitted  # the final token too
       assert (np.asarray(got.accept_index[b, 1:k + 1]) - b * 9).tolist() == path
+      # sglang's predicts: the token after each node of the path, pad_id elsewhere.
+      want = np.full(9, -1)
+      want[[0, *path]] = emitted
+      np.testing.assert_array_equal(predicts[b], want)
       agree += 1
   assert agree == 80
 
@@ -202,6 +220,9 @@ def test_negative_control_top_k_drafts_verified_as_iid_fails():
   (dict(target_probs=np.full((5, 4), 0.25, np.float32)), r"\(B \* N, V\) = \(6, V\)"),
   (dict(retrive_next_sibling=np.full((2, 2), -1)), "must have the shape of `candidates`"),
   (dict(params=SamplingParams(0.5)), "`params` and `draft_logits` go with logits"),
+  (dict(final_coins=np.zeros(3, np.float32)), r"`final_coins` must have shape \(B,\) = \(2,\)"),
+  (dict(final_coins=np.zeros(2, np.float32), coins=None, key=jax.random.key(0)),
+   "`final_coins` go with `uniforms`"),
 ])
 def test_bad_input_is_a_clear_error(kwargs, message):
   args = dict(candidates=np.zeros((2, 3), np.int32), retrive_next_token=np.full((2, 3), -1),

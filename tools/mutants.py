@@ -376,6 +376,11 @@ MUTANTS: tuple[Mutant, ...] = (
      "not 0 <= value < math.inf",
      "head_count = 0 / block_count = 0 pass the metadata check (ZeroDivisionError, empty model)",
      "tests/app/test_gguf.py", "-k", "head_count-0 or block_count-0"),
+  _m("tree-final-coin-ignored", "_tree_walk.py",
+     "    u = uniforms[size] if final_coin else u\n",
+     "",
+     "packed trees: sglang's final coin ignored (the layout's coin draws the final token)",
+     "tests/test_packed_tree.py", "-k", "coin_for_coin"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",
