@@ -381,6 +381,17 @@ MUTANTS: tuple[Mutant, ...] = (
      "",
      "packed trees: sglang's final coin ignored (the layout's coin draws the final token)",
      "tests/test_packed_tree.py", "-k", "coin_for_coin"),
+  _m("train-draft-one-step-warmup", "app/train_draft.py",
+     "  warmup = min(100, steps // 10 + 1, steps - 1)",
+     "  warmup = min(100, steps // 10 + 1)",
+     "train_draft: a one-step run warms up for its only step (learning rate 0: nothing learnt)",
+     "tests/app/test_train_draft.py", "-k", "one_training_step"),
+  _m("e2e-tree-accepts-any-draft", "app/e2e.py",
+     '  return verifier == "token" or ("+" not in draft and (verifier != "tree" or draft in '
+     'DEFAULT_TREE))',
+     '  return verifier == "token" or "+" not in draft',
+     "CLI: --verifier tree with a draft it cannot use runs a plain-only table (rc 0)",
+     "tests/app/test_cli.py", "-k", "would_be_ignored"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",

@@ -9,13 +9,16 @@ Subcommands:
 - ``bench-e2e``: the same on the built-in prompts, every draft, greedy and sampled, timed.
 
 Without a subcommand ``examples`` and ``simulate`` run, then (when the model package is
-installed) the end-to-end demo. Every argument is validated by the parser; expected failures
-(a missing model package, a prompt over the model's context) print one line and exit with 2.
+installed) the end-to-end demo. Every argument is validated by the parser, and so is every
+combination of them (:func:`check_simulate`, :func:`check_e2e`) before anything is loaded;
+expected failures (a missing model package, a prompt over the model's context) print one line
+and exit with 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from collections.abc import Sequence
 
@@ -43,6 +46,15 @@ def non_negative_int(text: str) -> int:
     raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
   if value < 0:
     raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+  return value
+
+
+def vocab_size(text: str) -> int:
+  """argparse type: a vocabulary size in ``[1, 2**31)`` (token ids are int32)."""
+  value = positive_int(text)
+  if value >= 2**31:
+    raise argparse.ArgumentTypeError(
+      f"expected an integer in [1, 2**31) (token ids are int32), got {value}")
   return value
 
 
@@ -93,13 +105,79 @@ def branching(text: str) -> tuple[int, ...]:
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
   """Options of ``simulate``."""
   parser.add_argument("--trials", type=positive_int, default=100_000,
-                      help="number of verification steps (default: %(default)s)")
+                      help="number of verification steps (default: %(default)s); --trials, "
+                           "--gamma and --vocab whose arrays would need more than half of this "
+                           "machine's memory are refused")
   parser.add_argument("--gamma", type=non_negative_int, default=4,
                       help="draft length (default: %(default)s)")
-  parser.add_argument("--vocab", type=positive_int, default=8,
-                      help="vocabulary size V (default: %(default)s)")
+  parser.add_argument("--vocab", type=vocab_size, default=8,
+                      help="vocabulary size V, below 2**31 (default: %(default)s)")
   parser.add_argument("--seed", type=seed, default=0,
                       help="seed for the distributions, drafts and uniforms (default: %(default)s)")
+
+
+def simulate_bytes(trials: int, gamma: int, vocab: int) -> int:
+  """An upper estimate of the memory ``simulate`` (:func:`.demo.run_simulate`) needs, in bytes.
+
+  The rows ``p`` ``(gamma + 1, V)`` and ``q`` ``(gamma, V)`` are made in float64 with
+  temporaries, then kept in float32 and float64 and copied to the device: 64 bytes per entry of
+  ``p``. Each trial holds its drafts, uniforms (float64 and float32), results and check masks,
+  96 bytes per slot of ``gamma + 1``, and ``verify``'s scratch for the row it samples from
+  (measured on XLA:CPU: at most 8 KiB plus ``V / 4`` bytes).
+  """
+  rows = 64 * (gamma + 1) * vocab
+  per_trial = 96 * (gamma + 1) + min(16 * vocab, 8192) + vocab // 4
+  return rows + trials * per_trial
+
+
+def memory_limit() -> int:
+  """What ``simulate`` may use: half of this machine's memory (8 GiB where it cannot be read)."""
+  try:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+    total = 16 * 2**30
+  return total // 2
+
+
+def _gib(size: int) -> str:
+  return f"{size / 2**30:,.1f} GiB"
+
+
+def check_simulate(args: argparse.Namespace) -> str | None:
+  """The problem with ``simulate``'s arguments together, or None: sizes whose arrays cannot fit
+  (they would end in a MemoryError or the process killed for memory)."""
+  need, limit = simulate_bytes(args.trials, args.gamma, args.vocab), memory_limit()
+  if need <= limit:
+    return None
+  return (f"argument --trials/--gamma/--vocab: expected sizes whose arrays fit in {_gib(limit)} "
+          f"(half of this machine's memory), got --trials {args.trials} --gamma {args.gamma} "
+          f"--vocab {args.vocab}, which need about {_gib(need)}; lower the largest of them")
+
+
+def _why_not(draft: str) -> str:
+  """Why :func:`.e2e.runs_with` is False for ``draft`` and a verifier other than token."""
+  if "+" in draft:
+    return f"{draft} names its own verifier and runs with --verifier token only"
+  return f"--verifier tree needs a draft model ({', '.join(e2e.DEFAULT_TREE)}), not {draft}"
+
+
+def check_e2e(args: argparse.Namespace) -> str | None:
+  """The problem with ``generate``'s or ``bench-e2e``'s arguments together, or None: a
+  combination that would be ignored (a draft no verifier runs, a verifier no draft takes,
+  ``--tree`` without ``--verifier tree``)."""
+  verifiers, drafts = " ".join(args.verifier), " ".join(args.draft)
+  if args.tree is not None and "tree" not in args.verifier:
+    return (f"argument --tree: expected together with --verifier tree (only it reads the tree), "
+            f"got --verifier {verifiers}; add tree to --verifier or drop --tree")
+  for draft in args.draft:
+    if not any(e2e.runs_with(draft, v) for v in args.verifier):
+      return (f"argument --draft: expected drafts that --verifier {verifiers} can run, got "
+              f"{draft}: {_why_not(draft)}; add token to --verifier or choose other drafts")
+  for verifier in args.verifier:
+    if not any(e2e.runs_with(d, verifier) for d in args.draft):
+      return (f"argument --verifier: expected verifiers that apply to --draft {drafts}, got "
+              f"{verifier}: {_why_not(args.draft[0])}; add such a draft or drop {verifier}")
+  return None
 
 
 def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
@@ -188,11 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
   }
   for name, (help_text, func) in commands.items():
     command = sub.add_parser(name, help=help_text, description=help_text)
-    command.set_defaults(func=func)
+    command.set_defaults(func=func, parser=command)
     if name == "simulate":
       add_simulate_arguments(command)
+      command.set_defaults(check=check_simulate)
     elif name in ("generate", "bench-e2e"):
       add_e2e_arguments(command, generate_command=name == "generate")
+      command.set_defaults(check=check_e2e)
   return parser
 
 
@@ -207,4 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (argparse also exits with 2 on bad usage).
   """
   args = build_parser().parse_args(argv)
+  check = getattr(args, "check", None)
+  if check is not None and (problem := check(args)) is not None:
+    args.parser.error(problem)  # one line, "python -m specdec_jax COMMAND: error: ...", exit 2
   return args.func(args)

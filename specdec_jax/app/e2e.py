@@ -55,6 +55,7 @@ from specdec_jax import speculative_generate
 from specdec_jax import tree_speculative_generate
 from specdec_jax import verify
 from specdec_jax.app import smollm2
+from specdec_jax.app.gguf import GGUFError
 from specdec_jax.app.tables import format_table
 from specdec_jax.models.llama import make_model
 from specdec_jax.theory import expected_tokens_per_position
@@ -131,6 +132,14 @@ def draft_tree(draft: str, tree: tuple[int, ...] | None) -> tuple[int, ...]:
   if tree is not None:
     return tree
   return DEFAULT_TREE[draft.partition("+")[0].removesuffix("-adaptive")]
+
+
+def runs_with(draft: str, verifier: str) -> bool:
+  """Whether :func:`run_side_by_side` runs ``draft`` under ``verifier`` (``--verifier``):
+  token-wise always; block and tree not for a draft that names its own verifier
+  (``eagle+tree``); tree only for the drafts of :data:`DEFAULT_TREE` (a draft model, not prompt
+  lookup nor ``-adaptive``)."""
+  return verifier == "token" or ("+" not in draft and (verifier != "tree" or draft in DEFAULT_TREE))
 
 
 def draft_gamma(draft: str, gamma: int | None) -> int:
@@ -249,7 +258,7 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
   its ``gamma`` column is the tree's depth).
   """
   variants = ("plain", *(d if v == "token" else f"{d}+{v}" for d in drafts for v in verifiers
-                         if v == "token" or ("+" not in d and (v != "tree" or d in DEFAULT_TREE))))
+                         if runs_with(d, v)))
   calls, results, compile_s = {}, {}, {}
   for name in variants:
     g = 1 if name == "plain" else draft_gamma(name, gamma)
@@ -521,7 +530,7 @@ def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) 
   """Entry point of ``generate`` and ``bench-e2e``."""
   try:
     setup = Setup()
-  except (ImportError, FileNotFoundError) as err:  # the model extra or the weights are missing
+  except (ImportError, FileNotFoundError, GGUFError) as err:  # no model extra, weights, or bad file
     print(f"error: {err}", file=sys.stderr)
     return 2
   if prompts is None:

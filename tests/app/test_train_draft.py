@@ -5,6 +5,8 @@ untrained one, the stored weights round-trip, and decoding with the trained draf
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,3 +100,113 @@ def test_make_eagle_draft_rejects_bad_vocab_ids():
     eagle.make_eagle_draft(w, [1, 1, 2], PARAMS, CONFIG)
   with pytest.raises(ValueError, match="make_eagle_draft: `vocab_ids` must be distinct ids"):
     eagle.make_eagle_draft(w, [0, 48], PARAMS, CONFIG)
+
+
+# The command line (`make train-draft`): every argument is checked before SmolLM2 is loaded, a
+# corpus the model cannot read is refused before training, and diverged weights are not written.
+
+
+class _Loaded(Exception):
+  """Raised in place of loading SmolLM2 (or training): the arguments got past validation."""
+
+
+def _never(*_args, **_kwargs):
+  raise _Loaded
+
+
+class _TinyTokenizer:
+  eos_id = 5
+
+  def chat_ids(self, message):
+    return [1 + len(message) % 40, 2, 3]
+
+
+def _main(argv, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    train_draft.main(argv)
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert lines[-1].startswith("python -m specdec_jax.app.train_draft: error: "), lines
+  assert len([x for x in lines if "error" in x]) == 1 and "Traceback" not in "".join(lines)
+  return exit_info.value.code, lines[-1]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+  (["--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),
+  (["--length", "0"], "argument --length: expected an integer >= 2, got 0"),
+  (["--length", "1"], "argument --length: expected an integer >= 2, got 1"),
+  (["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+  (["--steps", "many"], "argument --steps: expected an integer >= 1, got 'many'"),
+  (["--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1, got 0"),
+  (["--temperatures", "0", "nan"], "argument --temperatures: expected a finite number >= 0"),
+  (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+  (["--out", "draft"], "argument --out: expected a path ending in .npz, got 'draft'"),
+])
+def test_train_draft_arguments_are_checked_before_loading(argv, message, capsys, monkeypatch):
+  monkeypatch.setattr(train_draft.smollm2, "load_smollm2", _never)
+  code, err = _main(argv, capsys)
+  assert code == 2 and message in err
+
+
+def test_train_draft_without_optax_says_how_to_install_it(capsys, monkeypatch, tmp_path):
+  monkeypatch.setattr(train_draft.smollm2, "load_smollm2", _never)
+  monkeypatch.setitem(sys.modules, "optax", None)  # `import optax` raises ImportError
+  code, err = _main(["--steps", "1", "--out", str(tmp_path / "d.npz")], capsys)
+  assert code == 2 and "training needs optax" in err and "pip install -e '.[train]'" in err
+
+
+def test_train_draft_refuses_an_empty_corpus(capsys, monkeypatch, tmp_path):
+  monkeypatch.setattr(train_draft.smollm2, "load_smollm2", _never)
+  np.savez(tmp_path / "corpus.npz")
+  code, err = _main(["--corpus", str(tmp_path / "corpus.npz"), "--out", str(tmp_path / "d.npz")],
+                    capsys)
+  assert code == 2 and "argument --corpus: expected a corpus with a sequence of 2 tokens" in err
+  assert "is empty" in err
+
+
+def test_train_draft_out_is_never_the_shipped_weights_by_default():
+  parser = train_draft.build_parser()
+  out = parser.parse_args([]).out
+  assert out.resolve() != train_draft.smollm2.EAGLE_WEIGHTS.resolve()
+  assert "--out specdec_jax/app/data/smollm2_eagle.npz" in " ".join(parser.format_help().split())
+
+
+def _with_tiny_model(monkeypatch, tmp_path, corpus):
+  monkeypatch.setattr(train_draft.smollm2, "load_smollm2",
+                      lambda **_kwargs: (PARAMS, CONFIG, _TinyTokenizer()))
+  np.savez(tmp_path / "corpus.npz", **{str(i): np.asarray(s, np.int32)
+                                       for i, s in enumerate(corpus)})
+  return ["--corpus", str(tmp_path / "corpus.npz"), "--out", str(tmp_path / "d.npz"),
+          "--length", "16"]
+
+
+def test_train_draft_refuses_ids_outside_the_vocabulary(capsys, monkeypatch, tmp_path):
+  argv = _with_tiny_model(monkeypatch, tmp_path, [[1, 2, 3], [4, 48, 6]])  # vocab_size 48
+  monkeypatch.setattr(train_draft, "Corpus", _never)
+  code, err = _main(argv, capsys)
+  assert code == 2 and "argument --corpus: expected token ids in [0, 48)" in err
+  assert "with id 48" in err and not (tmp_path / "d.npz").exists()
+
+
+def test_train_draft_writes_nothing_when_training_diverges(capsys, monkeypatch, tmp_path):
+  argv = _with_tiny_model(monkeypatch, tmp_path, [[1, 2, 3], [4, 5, 6]])
+  shapes = jax.eval_shape(lambda key: eagle.init_weights(key, CONFIG), jax.random.key(0))
+  nan = jax.tree.map(lambda w: np.full(w.shape, np.nan, w.dtype), shapes)
+  monkeypatch.setattr(train_draft, "Corpus", lambda *_a, **_k: None)
+  monkeypatch.setattr(train_draft, "train_eagle", lambda *_a, **_k: (nan, [float("nan")]))
+  assert train_draft.main([*argv, "--steps", "1"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: training diverged: the draft's weights are not finite")
+  assert not (tmp_path / "d.npz").exists()
+
+
+def test_one_training_step_has_a_learning_rate():
+  """``--steps 1`` once died inside optax (a cosine decay of zero steps); its one step must
+  also learn (a warm-up would be the whole run, at a rate of 0). Longer runs are unchanged."""
+  import optax
+
+  assert float(train_draft.learning_rate_schedule(1, 1e-3)(0)) == pytest.approx(1e-3)
+  for steps in (2, 9, 700):
+    old = optax.warmup_cosine_decay_schedule(0.0, 1e-3, min(100, steps // 10 + 1), steps, 5e-5)
+    new = train_draft.learning_rate_schedule(steps, 1e-3)
+    for i in (0, 1, steps // 2, steps - 1):
+      assert float(new(i)) == float(old(i))
