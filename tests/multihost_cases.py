@@ -3,8 +3,9 @@
 :func:`run_cases` runs every public entry point on arrays that ``put(host_array, spec)`` places
 on a ``(2, 4)`` mesh ``data x model``: in the test process (one process, 8 CPU devices) ``put``
 is ``jax.device_put``; in each of the two worker processes (4 CPU devices each, gloo
-collectives) it builds a global array that spans both processes. The workers compare the
-shards they hold with the single-process results, exactly.
+collectives) it builds a global array that spans both processes (``put(host, spec, on)``
+places them on another mesh of the same devices). The workers compare the shards they hold
+with the single-process results, exactly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import AxisType
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,7 +35,7 @@ def _distributions(rng, shape):
   return x / x.sum(-1, keepdims=True)
 
 
-def run_cases(mesh, put: Callable[[np.ndarray, P], jax.Array]) -> dict[str, Any]:
+def run_cases(mesh, put: Callable[..., jax.Array]) -> dict[str, Any]:
   """``{check name: result pytree}`` for every entry point, on arrays placed by ``put``.
 
   """
@@ -126,10 +128,11 @@ def run_cases(mesh, put: Callable[[np.ndarray, P], jax.Array]) -> dict[str, Any]
   target = make_toy_model(jax.random.key(0), TOY_V, name="target")
   small = make_toy_model(jax.random.key(1), TOY_V, context=1, name="small")
   feature = make_toy_feature_draft(target, noise=1.0, key=jax.random.key(2))
-  prompts = put(rng.integers(0, TOY_V, size=(B, 5)).astype(np.int32), seq)
-  lengths = put(rng.integers(1, 6, size=B).astype(np.int32), vec)
-  keys = jax.random.wrap_key_data(
-    put(np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), B))), seq))
+  host = (rng.integers(0, TOY_V, size=(B, 5)).astype(np.int32),
+          rng.integers(1, 6, size=B).astype(np.int32),
+          np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), B))))
+  prompts, lengths = put(host[0], seq), put(host[1], vec)
+  keys = jax.random.wrap_key_data(put(host[2], seq))
   sampled = sd.SamplingParams(temperature=0.8)
   common = dict(max_new_tokens=10, params=sampled)
   out["generate"] = sd.generate(target, prompts, lengths, keys, eos_id=3, **common)
@@ -155,6 +158,17 @@ def run_cases(mesh, put: Callable[[np.ndarray, P], jax.Array]) -> dict[str, Any]
   out["tensor-parallel llama"] = sd.speculative_generate(
     model, sd.PromptLookup(), lprompts, put(np.full(B, 4, np.int32), vec), keys, gamma=2,
     max_new_tokens=8, params=sd.SamplingParams(0.0)).tokens
+
+  # 7. The same batch on an Explicit-axis mesh (jax.make_mesh's default), called outside and
+  # inside jax.set_mesh (the README's advice): both must run and agree (test_multihost checks).
+  explicit = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * 2)
+  eargs = (put(host[0], seq, explicit), put(host[1], vec, explicit),
+           jax.random.wrap_key_data(put(host[2], seq, explicit)))
+  lookup = dict(gamma=3, adaptive=sd.AdaptiveSpeculation(), **common)
+  out["explicit mesh"] = sd.speculative_generate(target, sd.PromptLookup(), *eargs, **lookup)
+  with jax.set_mesh(explicit):
+    out["explicit mesh under set_mesh"] = sd.speculative_generate(
+      target, sd.PromptLookup(), *eargs, **lookup)
   return out
 
 
@@ -165,14 +179,15 @@ def make_mesh():
   return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
-def local_put(mesh) -> Callable[[np.ndarray, P], jax.Array]:
-  """``put`` of the single-process side: ``jax.device_put`` onto the mesh."""
-  return lambda host, spec: jax.device_put(host, NamedSharding(mesh, spec))
+def local_put(mesh) -> Callable[..., jax.Array]:
+  """``put(host, spec, on=mesh)`` of the single-process side: ``jax.device_put`` onto a mesh."""
+  return lambda host, spec, on=mesh: jax.device_put(host, NamedSharding(on, spec))
 
 
-def global_put(mesh) -> Callable[[np.ndarray, P], jax.Array]:
-  """``put`` of a worker: a global array from host data every process holds in full."""
-  def put(host, spec):
-    sharding = NamedSharding(mesh, spec)
+def global_put(mesh) -> Callable[..., jax.Array]:
+  """``put(host, spec, on=mesh)`` of a worker: a global array from host data every process
+  holds in full."""
+  def put(host, spec, on=mesh):
+    sharding = NamedSharding(on, spec)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
   return put

@@ -42,6 +42,13 @@ def _gloo_available() -> bool:
 def test_two_processes_give_the_single_process_results(tmp_path):
   mesh = multihost_cases.make_mesh()
   results = multihost_cases.run_cases(mesh, multihost_cases.local_put(mesh))
+  for got, want in zip(jax.tree.leaves(results["explicit mesh under set_mesh"]),
+                       jax.tree.leaves(results["explicit mesh"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  for got, want in zip(jax.tree.leaves(results["explicit mesh"]),
+                       jax.tree.leaves(results["speculative_generate lookup adaptive"]),
+                       strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   arrays = {f"{name}/{i}": np.asarray(leaf) for name, result in results.items()
             for i, leaf in enumerate(jax.tree.leaves(result))}
   reference = tmp_path / "reference.npz"

@@ -60,7 +60,10 @@ def auto_axes(tree):
       return x
     mesh = Mesh(sharding.mesh.devices, sharding.mesh.axis_names,
                 axis_types=(AxisType.Auto,) * len(sharding.mesh.axis_names))
-    return jax.device_put(x, NamedSharding(mesh, sharding.spec))
+    # The same buffers under the new label: no device_put, which refuses a global array whose
+    # sharding spans other processes' devices (multi-host) and would copy.
+    return jax.make_array_from_single_device_arrays(
+      x.shape, NamedSharding(mesh, sharding.spec), [s.data for s in x.addressable_shards])
   return jax.tree.map(relabel, tree)
 
 

@@ -88,5 +88,12 @@ def run_loop(loop: Callable, result_type: type, args: tuple, batch_args: tuple[b
     static: its static keyword arguments (hashable).
     prompt_index: where the prompts are in ``args`` (their sharding decides).
   """
-  return loop_function(loop, result_type, args, batch_args, static,
-                       prompt_index=prompt_index)(*args)
+  fn = loop_function(loop, result_type, args, batch_args, static, prompt_index=prompt_index)
+  split = batch_axis(args[prompt_index])
+  if split is None:
+    return fn(*args)
+  # The loop's own (Auto-axis) mesh as the context: under the caller's `jax.set_mesh` of the
+  # Explicit-axis mesh the inputs came on, shard_map would refuse a mesh other than the
+  # context's; the devices and layout are the same.
+  with jax.set_mesh(split[0]):
+    return fn(*args)
