@@ -178,6 +178,10 @@ def test_point_mass_drafts_in_every_chain_layout():
   ids = np.concatenate([draft[b, :n[b]] for b in range(B)]).astype(np.int32)
   target = _packed(lambda b: n[b] + 1, p)
   _same(sd.packed_verify(ids, n, max_spec_len=GAMMA, target_probs=target, **kwargs), want)
+  # Vocab-parallel packed: each device compares the draft id with its own global columns.
+  packed = sd.vocab_parallel_packed_verify(jax.make_mesh((8,), ("model",)), "model",
+                                           max_spec_len=GAMMA)
+  _same(packed(ids, n, target_probs=target, **kwargs), want)
 
 
 # --- trees: single, packed tree, vocab-parallel, vocab-parallel packed tree ----------------------

@@ -234,3 +234,23 @@ def test_vocab_parallel_tree_bad_input():
     fn(p, q, TREE_PARENTS, tokens, uniforms)
   with pytest.raises(ValueError, match=r"`rule` must be one of"):
     vocab_parallel_verify(mesh, "model", rule="tree")
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4)])
+def test_vocab_parallel_agrees_with_more_than_one_block_per_device(shape):
+  """V / n = 300 > 256 (the sampler's block) and not a multiple of it: the global id of the
+  final sample must use the slice size, not the block size (every other value test has
+  V / n <= 64, where the two are equal). Peaked rows put the final sample anywhere."""
+  names = ("model",) if len(shape) == 1 else ("data", "model")
+  n = shape[-1]
+  vocab = 300 * n
+  fn = vocab_parallel_verify(jax.make_mesh(shape, names), "model",
+                             None if len(shape) == 1 else "data")
+  args = _batch(31, 64, 3, vocab, kinds=("overlap", "peaked", "disjoint"))
+  want, got = _single(*args), fn(*args)
+  np.testing.assert_array_equal(np.asarray(got.num_tokens), np.asarray(want.num_tokens))
+  same = np.all(np.asarray(got.tokens) == np.asarray(want.tokens), axis=1)
+  assert same.mean() >= 0.95, f"agreement {same.sum()}/{same.size}"
+  tokens, count = np.asarray(got.tokens), np.asarray(got.num_tokens)
+  last = tokens[np.arange(64), count - 1]
+  assert (last >= 300).sum() >= 32  # most final samples come from devices other than the first

@@ -392,6 +392,16 @@ MUTANTS: tuple[Mutant, ...] = (
      '  return verifier == "token" or "+" not in draft',
      "CLI: --verifier tree with a draft it cannot use runs a plain-only table (rc 0)",
      "tests/app/test_cli.py", "-k", "would_be_ignored"),
+  _m("vp-sampler-block-id", "_sampling.py",
+     "  candidate = jnp.where(me == owner, me * local_size + k, -1)",
+     "  candidate = jnp.where(me == owner, me * block + k, -1)",
+     "vocab-parallel sampler: global id from the block size (equal to the slice size while "
+     "V / n <= 256)", "tests/test_sharding.py", "-k", "more_than_one_block"),
+  _m("point-rows-no-column", "_rows.py",
+     "    columns = self.first_column() + start + jnp.arange(size, dtype=jnp.int32)",
+     "    columns = start + jnp.arange(size, dtype=jnp.int32)",
+     "vocab-parallel point-mass drafts compared with local, not global, columns",
+     "tests/test_matrix.py", "-k", "point_mass"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",
