@@ -12,6 +12,7 @@ module (Bonferroni over ``NUM_EXACT_TESTS``); each negative control must be reje
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from specdec_jax.decoding import AdaptiveSpeculation
 from specdec_jax.decoding import PromptLookup
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate
+from specdec_jax.decoding.adaptive import acceptance
 from specdec_jax.decoding.adaptive import choose_num_draft
 from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.drafts import FeatureFns
@@ -163,6 +165,23 @@ def test_choose_num_draft_follows_the_cost_model():
   assert 1 <= steps <= 20
 
 
+def test_update_counts_counts_a_failure_only_below_full_acceptance():
+  """``S <- decay S + n``, ``F <- decay F + [n < k]``: a step that accepted all its ``k > 0``
+  proposals is no failure (counting one lowers the estimate: fewer proposals, same output)."""
+  d = POLICY.decay
+  counts = jnp.tile(jnp.array([[2.0, 1.0]]), (5, 1))
+  proposed = jnp.array([3, 3, 3, 0, 3], jnp.int32)
+  accepted = jnp.array([3, 1, 0, 0, 3], jnp.int32)
+  active = jnp.array([True, True, True, True, False])
+  new = update_counts(POLICY, counts, proposed, accepted, active)
+  np.testing.assert_allclose(new, [[2 * d + 3, d], [2 * d + 1, d + 1], [2 * d, d + 1],
+                                   [2 * d, d], [2.0, 1.0]], rtol=1e-6)
+  # From the prior alone, one full acceptance of 3: alpha = (1 + 3) / (2 + 3 + 0).
+  after = update_counts(POLICY, jnp.zeros((1, 2)), jnp.array([3]), jnp.array([3]),
+                        jnp.array([True]))
+  np.testing.assert_allclose(acceptance(POLICY, after), [0.8], rtol=1e-6)
+
+
 @pytest.mark.parametrize("draft", ["lookup", "model"])
 def test_adaptive_greedy_equals_plain_and_saves_proposals(draft):
   d = PromptLookup() if draft == "lookup" else make_toy_model(jax.random.key(1), V, context=1)
@@ -269,6 +288,83 @@ def test_streamed_output_is_the_one_shot_output(draft):
   for tokens, lengths in seen:  # what was shown is a prefix of the final output
     for b, n in enumerate(lengths):
       np.testing.assert_array_equal(tokens[b, :n], np.asarray(streamed.tokens)[b, :n])
+
+
+STREAM = {"temperature": 0.9, "seed": 5, "adaptive": POLICY}  # the streamed test's feature run
+
+
+@functools.cache
+def _streamed(chunk_iterations: int):
+  """NOISY streamed in chunks: ``(result, [(tokens, lengths) after each chunk])``.
+
+  A loop that never returns fails here instead of hanging: more callbacks than the one-shot
+  run has target calls (iterations + 1) raise from ``on_tokens``.
+  """
+  limit = int(_run(NOISY, **STREAM).stats.target_calls)
+  seen = []
+
+  def on_tokens(tokens, lengths):
+    seen.append((tokens.copy(), lengths.copy()))
+    if len(seen) > limit:
+      raise AssertionError(f"chunk_iterations={chunk_iterations}: {len(seen)} chunks for "
+                           f"{limit - 1} loop iterations; the streamed loop does not end")
+
+  out = _run(NOISY, chunk_iterations=chunk_iterations, on_tokens=on_tokens, **STREAM)
+  return out, seen
+
+
+def test_each_streamed_chunk_runs_chunk_iterations_iterations():
+  """``chunk_iterations=1`` hands over the state after every iteration (each emits a token in
+  every unfinished row); ``2`` hands over every second of those states, and the last."""
+  one_shot = _run(NOISY, **STREAM)
+  iterations = int(one_shot.stats.target_calls) - 1  # the prefill is a target call
+  assert iterations >= 5
+  every, per_iteration = _streamed(1)
+  for a, b in zip(jax.tree.leaves(one_shot), jax.tree.leaves(every), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert len(per_iteration) == iterations
+  stop = np.asarray(PROMPT_LENGTHS) + MAX_NEW
+  lengths = np.stack([np.asarray(PROMPT_LENGTHS) + 1] + [n for _, n in per_iteration])
+  for before, after in itertools.pairwise(lengths):
+    np.testing.assert_array_equal(np.where(before < stop, after > before, after == before), True)
+  np.testing.assert_array_equal(lengths[-1], one_shot.lengths)
+
+  pairs, per_two = _streamed(2)
+  for a, b in zip(jax.tree.leaves(one_shot), jax.tree.leaves(pairs), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert len(per_two) == -(-iterations // 2)
+  for j, (tokens, n) in enumerate(per_two):
+    want_tokens, want_n = per_iteration[min(2 * j + 2, iterations) - 1]
+    np.testing.assert_array_equal(n, want_n)
+    np.testing.assert_array_equal(tokens, want_tokens)
+
+
+def test_adaptive_proposals_follow_the_estimator_in_the_loop():
+  """The documented estimator replayed on each iteration's accepted count (streamed one
+  iteration per chunk) predicts every row's proposals: ``k = min(budget, k*(counts))``, then
+  ``S <- decay S + n``, ``F <- decay F + [n < k]`` (no failure after a full acceptance)."""
+  out, per_iteration = _streamed(1)
+  prompt = np.asarray(PROMPT_LENGTHS)
+  lengths = np.stack([prompt + 1] + [n for _, n in per_iteration])  # the prefill emits one
+  stop, gamma = prompt + MAX_NEW, 3
+  counts = np.zeros((len(prompt), 2), np.float32)
+  proposed = np.zeros(len(prompt), np.int64)
+  accepted = np.zeros(len(prompt), np.int64)
+  full = 0
+  for before, after in itertools.pairwise(lengths):
+    active = before < stop
+    budget = np.where(active, np.clip(stop - before - 1, 0, gamma), 0)
+    k = np.minimum(budget, np.asarray(choose_num_draft(POLICY, jnp.asarray(counts), gamma=gamma)))
+    n = np.where(active, after - before - 1, 0)  # accepted proposals, then the target's token
+    assert ((0 <= n) & (n <= k)).all()
+    full += int(np.sum(active & (k > 0) & (n == k)))
+    new = np.stack([n, (k > 0) & (n < k)], axis=1).astype(np.float32)
+    counts = np.where(active[:, None], np.float32(POLICY.decay) * counts + new, counts)
+    proposed += k
+    accepted += n
+  assert full >= 3  # full acceptances happen, and the estimate must not count them as failures
+  np.testing.assert_array_equal(accepted, out.stats.accepted)
+  np.testing.assert_array_equal(proposed, out.stats.proposals)
 
 
 def test_streaming_arguments_are_checked():
