@@ -477,3 +477,37 @@ def test_an_empty_batch_gives_an_empty_result():
     out = fn(prompt, lengths, jax.random.key(0), max_new_tokens=3)
     assert out.tokens.shape == (0, 7) and out.num_new.shape == (0,), name
     assert out.error.shape == (0,) and out.stats.row_target_calls.shape == (0,), name
+
+
+def test_the_vocab_parallel_entry_points_refuse_ids_int32_cannot_hold():
+  """(Issue 23, item 5: they skipped the host conversion, so 2**32 + 1 wrapped to 1.)"""
+  from specdec_jax import vocab_parallel_packed_verify
+  from specdec_jax import vocab_parallel_verify
+  mesh = jax.make_mesh((1,), ("model",))
+  rows = np.eye(4, dtype=np.float32)
+  wide = np.array([1, 2**32 + 1], np.int64)
+  with pytest.raises(ValueError, match=r"vocab_parallel_packed_verify: `draft_token_ids` must "
+                     r"hold values that fit in int32 .* got 4294967297"):
+    vocab_parallel_packed_verify(mesh, "model", max_spec_len=2)(
+      wide, np.array([2]), target_probs=rows[:3], uniforms=np.zeros((1, 3), np.float32))
+  with pytest.raises(ValueError, match=r"vocab_parallel_packed_verify: `num_draft_tokens` must "
+                     r"hold values that fit in int32"):
+    vocab_parallel_packed_verify(mesh, "model", max_spec_len=2)(
+      np.array([1, 2]), np.array([2**32 + 1], np.int64), target_probs=rows[:3],
+      uniforms=np.zeros((1, 3), np.float32))
+  with pytest.raises(ValueError, match=r"vocab_parallel_verify: `draft` must hold values that "
+                     r"fit in int32"):
+    vocab_parallel_verify(mesh, "model")(rows[None, :3], rows[None, :2], wide[None],
+                                         np.zeros((1, 3), np.float32))
+
+
+@pytest.mark.parametrize("unread", [1.0, np.nan])
+def test_an_unread_final_uniform_is_not_checked(unread):
+  """(Issue 23, item 25.) With a caller bonus token and every draft accepted, the last uniform
+  slot is never read: whatever it holds, the request is valid."""
+  from specdec_jax import packed_verify
+  rows = np.eye(4, dtype=np.float32)[[1, 2]]  # p = q = a point mass on each draft: accepted
+  result = packed_verify(np.array([1, 2]), np.array([2]), max_spec_len=2, target_probs=rows,
+                         draft_probs=rows, bonus_token_ids=np.array([3]), bonus_rows=False,
+                         uniforms=np.array([[0.5, 0.5, unread]], np.float32))
+  assert result.tokens.tolist() == [[1, 2, 3]] and int(result.error[0]) == 0

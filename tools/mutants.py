@@ -415,6 +415,11 @@ MUTANTS: tuple[Mutant, ...] = (
      "(state, jnp.int32(0)))", "(state, jnp.int32(1)))",
      "streamed chunks run one iteration fewer (chunk_iterations=1 never returns)",
      T_FEATURE, "-k", "chunk_iterations_iterations"),
+  _m("caller-bonus-reads-last-uniform", "_chain.py",
+     "    num_uniforms = num_uniforms - accepted_all.astype(jnp.int32)\n",
+     "",
+     "with a caller bonus token the unread last uniform is still range-checked (and counted)",
+     "tests/test_reliability.py", "-k", "unread_final"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",
