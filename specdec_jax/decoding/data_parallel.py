@@ -16,6 +16,7 @@ and nothing of another process's batch is ever gathered.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -90,10 +91,8 @@ def run_loop(loop: Callable, result_type: type, args: tuple, batch_args: tuple[b
   """
   fn = loop_function(loop, result_type, args, batch_args, static, prompt_index=prompt_index)
   split = batch_axis(args[prompt_index])
-  if split is None:
-    return fn(*args)
-  # The loop's own (Auto-axis) mesh as the context: under the caller's `jax.set_mesh` of the
-  # Explicit-axis mesh the inputs came on, shard_map would refuse a mesh other than the
-  # context's; the devices and layout are the same.
-  with jax.set_mesh(split[0]):
+  # A split batch runs under its own (Auto-axis) mesh as the context: under the caller's
+  # `jax.set_mesh` of the Explicit-axis mesh the inputs came on, shard_map would refuse a mesh
+  # other than the context's; the devices and layout are the same.
+  with contextlib.nullcontext() if split is None else jax.set_mesh(split[0]):
     return fn(*args)
