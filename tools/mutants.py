@@ -420,6 +420,15 @@ MUTANTS: tuple[Mutant, ...] = (
      "",
      "with a caller bonus token the unread last uniform is still range-checked (and counted)",
      "tests/test_reliability.py", "-k", "unread_final"),
+  _m("chat-prompt-bound-off-by-one", "app/chat_template.py",
+     "      if n > max_chars:", "      if n >= max_chars:",
+     "chat templates: a prompt of exactly max_chars characters refused",
+     "tests/app/test_chat_template.py", "-k", "prompt_is_bounded"),
+  _m("chat-repeat-unchecked", "app/chat_template.py",
+     '  if op == "*" and isinstance(a, seq) and isinstance(b, int):',
+     '  if op == "*" and isinstance(a, seq) and isinstance(b, str):',
+     "chat templates: 'x' * 10**8 built before any size check (100 MB from one expression)",
+     "tests/app/test_chat_template.py", "-k", "too_large"),
   _m("logits-params-flag", "_from_logits.py",  # the chain body's call; the tree's keeps it
      "                             axis_name=axis_name)\n"
      "  return with_params_error(result, params)",

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import importlib.util
 import mmap
+import re
 import struct
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -369,3 +371,89 @@ def test_missing_jinja2_names_the_pip_command(monkeypatch):
   monkeypatch.setitem(sys.modules, "jinja2", None)  # makes `import jinja2` fail
   with pytest.raises(ImportError, match=r"render_chat_template needs the jinja2 package.*pip "):
     ct.render_chat_template(ZEPHYR, [U1])
+
+
+# A chat template is untrusted code: time, the prompt's size and the size of every value it
+# makes are bounded. Each attack below is refused within a fraction of a second.
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{0}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("body", ["", "{{ j }}"], ids=["no-output", "output"])
+def test_nested_loops_stop_at_the_time_limit(body):
+  start = time.perf_counter()
+  with pytest.raises(ct.ChatTemplateError) as e:
+    ct.render_chat_template(NESTED_LOOPS.replace("{0}", body), [U1], time_limit=0.2)
+  assert time.perf_counter() - start < 1.5
+  message = (
+    "render_chat_template: the chat template exceeded the time bound: it ran for over "
+    "time_limit=0.2 s; a larger time_limit allows it"
+  )
+  # Stopped in the template's code, its line is given; with output, maybe while streaming it.
+  assert str(e.value).startswith(message + (" (template line 1: " if not body else ""))
+
+
+BIG = "{% set s = 'x' * 1000000 %}"
+DOUBLING = "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s OP ns.s %}"
+
+
+@pytest.mark.parametrize(
+  ("template", "what"),
+  [
+    ("{{ 'x' * 10**8 }}", "`*` comes to 100,000,000"),
+    ("{{ ['x'] * 10**8 }}", "`*` comes to 900,000,000"),
+    (DOUBLING.replace("OP", "~") + "{% endfor %}", "`~` comes to 4,194,304"),
+    (DOUBLING.replace("OP", "+") + "{% endfor %}", "`+` comes to 4,194,304"),
+    ("{{ 'x'.center(10**9) }}", "str.center() comes to 1,000,000,000"),
+    ("{{ 'x' | center(1000000000) }}", "the center filter comes to 1,000,000,000"),
+    ("{{ '1'.zfill(10**9) }}", "str.zfill() comes to "),
+    ("{{ ('\t' * 1000).expandtabs(10**6) }}", "str.expandtabs() comes to "),
+    ("{{ '{:>1000000000}'.format(1) }}", "str.format() comes to "),
+    ("{{ '{:>{}}'.format(1, 10**9) }}", "str.format() comes to "),
+    ("{{ '%1000000000s' % 'x' }}", "`%` comes to "),
+    (BIG + "{{ s.replace('x', s) }}", "str.replace() comes to 1,000,000,000,000"),
+    (BIG + "{{ range(100000) | join(s) }}", "the join filter comes to "),
+    (BIG + "{{ s.join(range(100000) | map('string')) }}", "str.join() comes to "),
+    ("{{ range(10**12) | length }}", "range() comes to 1,000,000,000,000"),
+  ],
+)
+def test_values_too_large_are_refused_before_they_are_made(template, what):
+  start = time.perf_counter()
+  with pytest.raises(ct.ChatTemplateError) as e:
+    ct.render_chat_template(template, [U1])
+  assert time.perf_counter() - start < 1.5
+  assert re.fullmatch(
+    r"render_chat_template: the chat template exceeded the intermediate-size bound: "
+    rf"{re.escape(what)}[\d,]* characters \(counting 8 per list or dict element\), over "
+    r"max_chars=4,000,000; a larger max_chars allows it \(template line 1: .*\)",
+    str(e.value),
+  ), str(e.value)
+
+
+def test_integers_shared_values_and_their_sum_are_bounded():
+  with pytest.raises(ct.ChatTemplateError, match=r"`\*\*` makes an integer of 40,000,000,000 bi"):
+    ct.render_chat_template("{{ 10 ** (10 ** 10) }}", [U1])
+  # Nested lists sharing their halves: 2**80 elements (comparing two would never end in C).
+  nested = (
+    "{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(80) %}{% set ns.a = [ns.a, ns.a] %}"
+    "{% set ns.b = [ns.b, ns.b] %}{% endfor %}{{ ns.a == ns.b }}"
+  )
+  with pytest.raises(ct.ChatTemplateError, match="a list, tuple or dict literal comes to 100,0"):
+    ct.render_chat_template(nested, [U1], max_chars=100_000)
+  # Each centered string is under max_chars, but together they are over 8 times it.
+  many = "{{ range(100000) | map('center', 100000) | list | length }}"
+  with pytest.raises(ct.ChatTemplateError, match=r"over 4,000,000 \(8 \* max_chars=500,000\) with"):
+    ct.render_chat_template(many, [U1], max_chars=500_000)
+
+
+def test_the_prompt_is_bounded_and_normal_templates_render_unchanged():
+  template, messages, kwargs, expected = CASES["smollm2-multi-turn"]
+  limits = {"time_limit": 0.5, "max_chars": len(expected)}
+  assert ct.render_chat_template(template, messages, **kwargs, **limits) == expected
+  limits["max_chars"] -= 1
+  with pytest.raises(ct.ChatTemplateError) as e:
+    ct.render_chat_template(template, messages, **kwargs, **limits)
+  assert str(e.value) == (
+    f"render_chat_template: the chat template exceeded the output-size bound: the prompt comes "
+    f"to over max_chars={len(expected) - 1:,} characters; a larger max_chars allows it"
+  )
+  assert ct.render_chat_template(template, messages, **kwargs, time_limit=None) == expected
