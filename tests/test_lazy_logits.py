@@ -166,9 +166,11 @@ def test_batch_level_branches_change_no_row():
 
 
 def _packed_case(seed, batch=12, spec=4, vocab=300):
+  """A ragged packed batch whose arrays have the largest size (``batch * spec`` draft rows, rows
+  past the counts unread), so that every seed reuses one compiled program."""
   rng = np.random.default_rng(seed)
   n = rng.integers(0, spec + 1, batch).astype(np.int32)
-  total = int(n.sum())
+  total = batch * spec
   target = _lm_rows(rng, total + batch, vocab)
   draft = target[:total] + rng.normal(scale=1.0, size=(total, vocab)).astype(np.float32)
   params = sd.SamplingParams(
@@ -189,8 +191,8 @@ def test_packed_from_logits_equals_processed_probabilities(rule):
   by process_logits with each request's parameters, the same uniforms."""
   for seed in range(3):
     n, target, draft, params, ids, u = _packed_case(seed)
-    owners_t = np.repeat(np.arange(len(n)), n + 1)
-    owners_d = np.repeat(np.arange(len(n)), n)
+    owners_t = np.resize(np.repeat(np.arange(len(n)), n + 1), len(target))  # (unread rows:
+    owners_d = np.resize(np.repeat(np.arange(len(n)), n), len(draft))  # any owner will do)
 
     def process(rows, owners, params=params):
       return np.asarray(PROCESS(rows, *(np.asarray(f)[owners] for f in params)))

@@ -338,6 +338,12 @@ def test_each_streamed_chunk_runs_chunk_iterations_iterations():
     np.testing.assert_array_equal(n, want_n)
     np.testing.assert_array_equal(tokens, want_tokens)
 
+  # A chunk longer than the run (10**12 would not fit the int32 counter) is one chunk.
+  whole, once = _streamed(10**12)
+  for a, b in zip(jax.tree.leaves(one_shot), jax.tree.leaves(whole), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert len(once) == 1
+
 
 def test_adaptive_proposals_follow_the_estimator_in_the_loop():
   """The documented estimator replayed on each iteration's accepted count (streamed one
