@@ -25,28 +25,11 @@ from collections.abc import Sequence
 from specdec_jax.app import demo
 from specdec_jax.app import e2e
 from specdec_jax.app import smollm2
+from specdec_jax.app.argtypes import int_at_least
 
-
-def positive_int(text: str) -> int:
-  """argparse type: an integer ``>= 1``."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-  return value
-
-
-def non_negative_int(text: str) -> int:
-  """argparse type: an integer ``>= 0``."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-  return value
+#: argparse types: an integer ``>= 1`` and ``>= 0``.
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 
 def vocab_size(text: str) -> int:

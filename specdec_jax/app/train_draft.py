@@ -39,6 +39,7 @@ import numpy as np
 from specdec_jax import SamplingParams
 from specdec_jax import generate
 from specdec_jax.app import smollm2
+from specdec_jax.app.argtypes import int_at_least
 from specdec_jax.models import eagle
 from specdec_jax.models.llama import LlamaConfig
 from specdec_jax.models.llama import LlamaParams
@@ -275,20 +276,6 @@ PROG = "python -m specdec_jax.app.train_draft"
 DEFAULT_OUT = Path("smollm2_eagle.npz")
 
 
-def _at_least(minimum: int):
-  """argparse type: an integer ``>= minimum``."""
-  def parse(text: str) -> int:
-    try:
-      value = int(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(
-        f"expected an integer >= {minimum}, got {text!r}") from None
-    if value < minimum:
-      raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-    return value
-  return parse
-
-
 def _temperature(text: str) -> float:
   """argparse type: a finite number ``>= 0`` (0 is greedy)."""
   try:
@@ -302,7 +289,7 @@ def _temperature(text: str) -> float:
 
 def _seed(text: str) -> int:
   """argparse type: a seed in ``[0, 2**32)``."""
-  value = _at_least(0)(text)
+  value = int_at_least(0)(text)
   if value >= 2**32:
     raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {value}")
   return value
@@ -323,18 +310,18 @@ def build_parser() -> argparse.ArgumentParser:
                            "current directory; the demo's draft, which the weights are written "
                            "to only when asked, is --out "
                            "specdec_jax/app/data/smollm2_eagle.npz)")
-  parser.add_argument("--max-new-tokens", type=_at_least(1), default=160,
+  parser.add_argument("--max-new-tokens", type=int_at_least(1), default=160,
                       help="length of each answer of the corpus (default: %(default)s)")
   parser.add_argument("--temperatures", type=_temperature, nargs="+",
                       default=[0.0, 0.6, 0.8, 1.0, 1.0, 1.0],
                       help="one answer per prompt at each of these temperatures (0 is greedy)")
-  parser.add_argument("--steps", type=_at_least(1), default=700,
+  parser.add_argument("--steps", type=int_at_least(1), default=700,
                       help="training steps (default: %(default)s)")
   parser.add_argument("--corpus", type=_npz, default=None,
                       help="reuse (or write) the generated corpus at this .npz path")
-  parser.add_argument("--batch", type=_at_least(1), default=8,
+  parser.add_argument("--batch", type=int_at_least(1), default=8,
                       help="sequences per training step (default: %(default)s)")
-  parser.add_argument("--length", type=_at_least(2), default=256,
+  parser.add_argument("--length", type=int_at_least(2), default=256,
                       help="tokens per training sequence (default: %(default)s; position t "
                            "learns from t - 1, so at least 2)")
   parser.add_argument("--seed", type=_seed, default=0)
