@@ -424,7 +424,7 @@ MUTANTS: tuple[Mutant, ...] = (
      "      if n > max_chars:", "      if n >= max_chars:",
      "chat templates: a prompt of exactly max_chars characters refused",
      "tests/app/test_chat_template.py", "-k", "prompt_is_bounded"),
-  _m("chat-repeat-unchecked", "app/chat_template.py",
+  _m("chat-repeat-unchecked", "app/template_limits.py",
      '  if op == "*" and isinstance(a, seq) and isinstance(b, int):',
      '  if op == "*" and isinstance(a, seq) and isinstance(b, str):',
      "chat templates: 'x' * 10**8 built before any size check (100 MB from one expression)",

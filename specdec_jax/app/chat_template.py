@@ -37,28 +37,27 @@ without bound (:class:`ChatTemplateError` names the bound and the argument that 
   shared value each time it occurs) is measured where it is made and refused over
   ``max_chars``: the prompt, each ``{{ }}``, ``~``, literal list, tuple or dict, call or filter
   result and macro or block output, and before they run ``+ * % **``, the ``str`` methods in
-  ``_METHOD_BOUNDS``, the filters in ``_FILTER_BOUNDS`` and ``range``. Integers stay under
-  2**65536, and the values of one render add up to at most ``8 * max_chars``.
+  ``template_limits.METHOD_BOUNDS``, the filters in ``template_limits.FILTER_BOUNDS`` and
+  ``range`` (all in :mod:`specdec_jax.app.template_limits`). Integers stay under 2**65536, and
+  the values of one render add up to at most ``8 * max_chars``.
 
 ``jinja2`` is an optional dependency, imported on first use.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
-import inspect
 import json
 import re
-import string
 import sys
-import threading
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 import numpy as np
+
+from specdec_jax.app import template_limits as limits
 
 __all__ = ["ChatTemplateError", "chat_prompt", "render_chat_template"]
 
@@ -91,212 +90,6 @@ def _jinja2() -> Any:
   return jinja2
 
 
-_ITEM, _MAX_INT_BITS = 8, 1 << 16  # a container element counts 8 (a reference); integer bits
-_PRINTF = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
-_local = threading.local()  # .budget: the _Budget of the render running in this thread
-
-
-class _Exceeded(Exception):
-  """A size bound was hit (not a ValueError, which some Jinja filters catch)."""
-
-
-class _Timeout(BaseException):
-  """Raised in the rendering thread at its time limit (no ``except Exception`` catches it)."""
-
-
-class _Budget:
-  def __init__(self, max_chars: int = 4_000_000):
-    self.max_chars, self.left = max_chars, 8 * max_chars  # left: for all the values made
-
-
-def _budget() -> _Budget:
-  return getattr(_local, "budget", None) or _Budget()  # none: Jinja folding constants
-
-
-def _need(size: int, what: str, charge: bool = True) -> int:
-  """Refuse a value of ``size`` over ``max_chars``, or once the values add up to 8 times it."""
-  b = _budget()
-  b.left -= size if charge else 0
-  if size > b.max_chars or b.left < 0:
-    over = f"max_chars={b.max_chars:,}"
-    if size <= b.max_chars:
-      over = f"{8 * b.max_chars:,} (8 * {over}) with the values made before it"
-    raise _Exceeded(
-      f"exceeded the intermediate-size bound: {what} comes to {size:,} characters (counting 8 "
-      f"per list or dict element), over {over}; a larger max_chars allows it"
-    )
-  return size
-
-
-def _size(x: Any) -> int:
-  """Characters, plus 8 per list, tuple or dict element, a nested value each time it occurs
-  (the walk stops past ``max_chars``, so it is quick on any shared structure)."""
-  limit, total, stack = _budget().max_chars, 0, [x]
-  while stack and total <= limit:
-    v = stack.pop()
-    if isinstance(v, (str, bytes)):
-      total += len(v)
-    elif isinstance(v, (list, tuple, set, frozenset)):
-      total += _ITEM * len(v)
-      stack.extend(v if total <= limit else ())
-    elif isinstance(v, int):
-      total += 1 + v.bit_length() // 3  # at least its decimal digits
-    elif isinstance(v, Mapping):
-      total += 2 * _ITEM * len(v)
-      stack.extend((*v, *v.values()) if total <= limit else ())
-    else:  # None, a float, or an object the template cannot look into with C code
-      total += 1
-  return total
-
-
-def _checked(x: Any, what: str) -> Any:
-  _need(_size(x), what)
-  return x
-
-
-def _int_bits(bits: int, what: str) -> int:
-  if bits > _MAX_INT_BITS:
-    raise _Exceeded(
-      f"exceeded the intermediate-size bound: {what} makes an integer of {bits:,} bits, over "
-      f"the {_MAX_INT_BITS:,} bits a chat template may use"
-    )
-  return 0
-
-
-def _width(x: Any) -> int:
-  """An argument as a width or count: an int itself, None 0, anything else its size."""
-  return x if isinstance(x, int) else 0 if x is None else _size(x)
-
-
-def _fmt_bound(fmt: str | bytes, values: tuple, printf: bool) -> int:
-  """A bound on ``len(fmt % values)`` (``printf``) or ``len(fmt.format(*values))``: each field
-  at most all the values and 330 digits (a float), padded to the largest width or precision in
-  the format, or in the values where a field takes one from them (``*``, ``{:{}}``)."""
-  fmt = fmt if isinstance(fmt, str) else fmt.decode("latin-1")
-  if printf:
-    specs = ["".join(m) for m in _PRINTF.findall(fmt)]
-  else:
-    specs = [spec for _, name, spec, _ in string.Formatter().parse(fmt) if name is not None]
-  widths = [int(w) for w in re.findall(r"\d+", " ".join(specs))]
-  if any("*" in spec or "{" in spec for spec in specs):
-    widths += [abs(v) for v in values if isinstance(v, int)]
-  return len(fmt) + len(specs) * (_size(values) + max(widths, default=0) + 330)
-
-
-def _replaced(s: Any, old: Any, new: Any, count: Any = -1) -> int:
-  n = s.count(old) if count is None or count < 0 else min(s.count(old), count)
-  return len(s) + n * max(0, len(new) - len(old))
-
-
-# Bounds on what str and bytes methods make (the string first), checked before they run.
-_METHOD_BOUNDS = {
-  **dict.fromkeys(("center", "ljust", "rjust", "zfill"), lambda s, w, *_: max(len(s), _width(w))),
-  "expandtabs": lambda s, tabsize=8: len(s) * (1 + _width(tabsize)),
-  "replace": _replaced,
-  "join": lambda s, items: _size(items) + len(s) * len(items),
-  "translate": lambda s, table: len(s) * (1 + _size(table)),
-  "format": lambda s, *args, **kwargs: _fmt_bound(s, (*args, *kwargs.values()), False),
-  "format_map": lambda s, mapping: _fmt_bound(s, tuple(mapping.values()), False),
-}
-# The same for Jinja's filters, given their arguments by name.
-_FILTER_BOUNDS = {
-  "center": lambda p: max(_size(p["value"]), _width(p["width"])),
-  "indent": lambda p: _size(p["s"]) + (str(p["s"]).count("\n") + 1) * _width(p["width"]),
-  "wordwrap": lambda p: _size(p["s"]) * (1 + _width(p["wrapstring"])),
-  "urlize": lambda p: _size(p["value"]) * (1 + _width(p["target"]) + _width(p["rel"])),
-  "batch": lambda p: _size(p["value"]) + _width(p["linecount"]) * (1 + _size(p["fill_with"])),
-  "slice": lambda p: _size(p["value"]) + _width(p["slices"]) * (1 + _size(p["fill_with"])),
-  "format": lambda p: _fmt_bound(str(p["value"]), (*p["args"], *p["kwargs"].values()), True),
-  "join": lambda p: _size(p["value"]) + _width(p["d"]) * len(p["value"]),
-  "replace": lambda p: _replaced(str(p["s"]), str(p["old"]), str(p["new"]), p["count"]),
-  "list": lambda p: _ITEM * len(p["value"]) if isinstance(p["value"], str) else 0,
-  "round": lambda p: _int_bits(4 * abs(_width(p["precision"])), "the round filter"),
-  "pprint": lambda p: _size(p["value"]) ** 2,  # nested dicts indent by their keys
-  "sum": lambda p: _size(p["iterable"]) ** 2 if isinstance(p["start"], list | tuple) else 0,
-}
-
-
-def _binop_size(op: str, a: Any, b: Any) -> int:
-  """A bound on the size of ``a op b``, for the operators that can make a large value."""
-  seq = str | bytes | list | tuple
-  if op == "**" and isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
-    return _int_bits(a.bit_length() * b, "`**`")
-  if op == "*" and isinstance(a, int) and isinstance(b, int):
-    return _int_bits(a.bit_length() + b.bit_length(), "`*`")
-  if op == "*" and isinstance(a, seq) and isinstance(b, int):
-    return _size(a) * max(b, 0)
-  if op == "*" and isinstance(a, int) and isinstance(b, seq):
-    return _size(b) * max(a, 0)
-  if op == "+" and isinstance(a, seq) and isinstance(b, seq):
-    return _size(a) + _size(b)
-  if op == "%" and isinstance(a, str | bytes):
-    values = b.values() if isinstance(b, Mapping) else b if isinstance(b, tuple) else (b,)
-    return _fmt_bound(a, tuple(values), True)
-  return 0
-
-
-def _joined(pieces: Any, what: str) -> str:
-  """``"".join(pieces)``, refused as soon as the pieces pass ``max_chars``."""
-  out, n = [], 0
-  for piece in pieces:
-    n += len(piece)
-    if n > _budget().max_chars:
-      _need(n, what)
-    out.append(piece)
-  _need(n, what)
-  return "".join(out)
-
-
-def _guard(name: str, f: Any) -> Any:
-  """Filter ``f``, its result measured, and bounded before it runs if in ``_FILTER_BOUNDS``."""
-  skip = int(hasattr(f, "jinja_pass_arg"))  # a context, eval context or environment first
-  signature = inspect.signature(f)  # of the function it wraps, for async_variant filters
-  if next(iter(signature.parameters), "") in ("environment", "eval_ctx", "context"):
-    signature = signature.replace(parameters=list(signature.parameters.values())[1:])
-  bound = _FILTER_BOUNDS.get(name)
-
-  @functools.wraps(f)
-  def guarded(*args, **kwargs):
-    if bound is not None and len(args) > skip:
-      if name in ("join", "sum") and not isinstance(args[skip], str | list | tuple):
-        args = (*args[:skip], list(args[skip]), *args[skip + 1 :])  # to measure, then join
-      p = signature.bind(*args[skip:], **kwargs)
-      p.apply_defaults()
-      _need(bound(p.arguments), f"the {name} filter")
-    return _checked(f(*args, **kwargs), f"the {name} filter")
-
-  return guarded
-
-
-def _run(fn: Any, time_limit: float | None) -> Any:
-  """``fn()`` in a worker thread, interrupted once ``time_limit`` seconds have passed."""
-  box, lock, state = [None], threading.Lock(), [0]  # state: 0 starting, 1 running, 2 done
-  set_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-
-  def work():
-    me = ctypes.c_ulong(threading.get_ident())
-    try:
-      state[0] = 1
-      box[0] = (True, fn())
-    except BaseException as e:  # handed to the caller
-      box[0] = (False, e)
-    finally:
-      with lock:  # nothing here runs a call before the one that clears a pending _Timeout
-        state[0] = 2
-        set_exc(me, None)
-
-  worker = threading.Thread(target=work, name="render_chat_template", daemon=True)
-  worker.start()
-  worker.join(None if time_limit is None else min(time_limit, threading.TIMEOUT_MAX))
-  while worker.is_alive():
-    with lock:
-      if state[0] == 1:
-        set_exc(ctypes.c_ulong(worker.ident), ctypes.py_object(_Timeout))
-    worker.join(0.05)
-  ok, value = box[0]
-  if ok:
-    return value
-  raise value
 
 
 class _RaisedByTemplate(Exception):
@@ -361,12 +154,13 @@ def _environment() -> Any:
     )
     if indent is None and separators is None:
       return encoder.encode(x)  # json.dumps: linear in the size of x, which is bounded
-    _need(_width(indent) * sys.getrecursionlimit(), "tojson's indentation", charge=False)
-    return _joined(encoder.iterencode(x), "the tojson filter")  # the same text, in pieces
+    limits.need(limits.width(indent) * sys.getrecursionlimit(), "tojson's indentation",
+                charge=False)
+    return limits.joined(encoder.iterencode(x), "the tojson filter")  # the same text, in pieces
 
   def range_(*args):
     r = range(*args)  # its length, give or take one (len() fails past 2**63)
-    _need((r.stop - r.start) // r.step, "range()", charge=False)
+    limits.need((r.stop - r.start) // r.step, "range()", charge=False)
     return jinja2.sandbox.safe_range(*args)
 
   class CodeGenerator(jinja2.compiler.CodeGenerator):
@@ -396,38 +190,39 @@ def _environment() -> Any:
     code_generator_class = CodeGenerator
 
     def call_binop(self, context, operator, left, right):
-      _need(_binop_size(operator, left, right), f"`{operator}`")
+      limits.need(limits.binop_size(operator, left, right), f"`{operator}`")
       return super().call_binop(context, operator, left, right)
 
     def call(self, context, obj, /, *args, **kwargs):
       name = getattr(obj, "__name__", "a function")
       owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)  # str.format wrapped
-      if isinstance(owner, str | bytes) and name in _METHOD_BOUNDS:
+      if isinstance(owner, str | bytes) and name in limits.METHOD_BOUNDS:
         args = (list(args[0]), *args[1:]) if name == "join" and args else args
-        _need(_METHOD_BOUNDS[name](owner, *args, **kwargs), f"{type(owner).__name__}.{name}()")
+        limits.need(limits.METHOD_BOUNDS[name](owner, *args, **kwargs),
+                    f"{type(owner).__name__}.{name}()")
       elif obj is jinja2.utils.Cycler or (
         isinstance(obj, jinja2.runtime.Macro) and (obj.catch_varargs or obj.catch_kwargs)
       ):  # they keep the arguments as a new tuple or dict
-        _need(_size((args, kwargs)), f"the arguments of {name}()")
-      return _checked(super().call(context, obj, *args, **kwargs), f"the result of {name}()")
+        limits.need(limits.size_of((args, kwargs)), f"the arguments of {name}()")
+      return limits.checked(super().call(context, obj, *args, **kwargs), f"the result of {name}()")
 
     def tilde(self, items):
-      _need(sum(map(_size, items)), "`~`", charge=False)
-      return _checked("".join(map(str, items)), "`~`")
+      limits.need(sum(map(limits.size_of, items)), "`~`", charge=False)
+      return limits.checked("".join(map(str, items)), "`~`")
 
     def checked(self, value):
-      return _checked(value, "a list, tuple or dict literal")
+      return limits.checked(value, "a list, tuple or dict literal")
 
   env = Environment(
     trim_blocks=True,
     lstrip_blocks=True,
     extensions=[Generation, jinja2.ext.loopcontrols],
-    finalize=lambda value: _checked(value, "a {{ }} expression"),
+    finalize=lambda value: limits.checked(value, "a {{ }} expression"),
   )
-  env.concat = lambda pieces: _joined(pieces, "the output of a macro or block")
+  env.concat = lambda pieces: limits.joined(pieces, "the output of a macro or block")
   env.globals["range"] = range_
   env.filters["tojson"] = tojson
-  env.filters.update({name: _guard(name, f) for name, f in env.filters.items()})
+  env.filters.update({name: limits.guard(name, f) for name, f in env.filters.items()})
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = strftime_now
   env.globals["dict"] = TemplateDict()
@@ -581,11 +376,11 @@ def render_chat_template(
   variables.update(messages=chat, add_generation_prompt=bool(add_generation_prompt))
 
   def render():  # in the worker thread
-    _local.budget, out, n = _Budget(max_chars), [], 0
+    limits.local_state.budget, out, n = limits.Budget(max_chars), [], 0
     for piece in compiled.generate(**variables):
       n += len(piece)
       if n > max_chars:
-        raise _Exceeded(
+        raise limits.Exceeded(
           f"exceeded the output-size bound: the prompt comes to over max_chars={max_chars:,} "
           "characters; a larger max_chars allows it"
         )
@@ -593,15 +388,15 @@ def render_chat_template(
     return "".join(out)
 
   try:
-    return _run(render, time_limit)
-  except _Timeout as e:  # not an Exception, so its traceback gives the compiled code's line
+    return limits.run_bounded(render, time_limit)
+  except limits.Timeout as e:  # not an Exception, so its traceback gives the compiled code's line
     line = _template_line(e)
     raise ChatTemplateError(
       f"render_chat_template: the chat template exceeded the time bound: it ran for over "
       f"time_limit={time_limit} s; a larger time_limit allows it"
       f"{_quote_line(template, line and compiled.get_corresponding_lineno(line))}"
     ) from None
-  except _Exceeded as e:
+  except limits.Exceeded as e:
     raise ChatTemplateError(
       f"render_chat_template: the chat template {e}{_quote_line(template, _template_line(e))}"
     ) from None
