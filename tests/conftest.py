@@ -18,9 +18,10 @@ import tempfile
 #: (which only hoists work out of while loops, the same operations on the same values): another
 #: 8% less CPU time on the loop-heavy files (tree and decoding loops, reliability), measured
 #: side by side. Set before JAX starts its backend; notebook
-#: kernels inherit it. tests/test_multihost.py drops it for its two worker processes, which
-#: compile every entry point with XLA's defaults and must equal, bit for bit, the reference this
-#: process computes with these flags.
+#: kernels and tests/test_multihost.py's two worker processes inherit it; that test's third
+#: process drops it and runs a few entry points (the logits layouts, a tree, two decoding loops)
+#: under XLA's defaults, which must equal, bit for bit, what this process computes with these
+#: flags.
 TEST_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1"
                   " --xla_disable_hlo_passes=while-loop-invariant-code-motion")
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
@@ -32,7 +33,7 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 #: one of them (or compiled again after :func:`_release_executables` dropped it) is loaded,
 #: not compiled. Removed when the session ends (:func:`pytest_unconfigure`); a cache key
 #: covers the program, the XLA flags, the devices and the versions, so a hit is the same
-#: executable. tests/test_multihost.py's workers do without it.
+#: executable. tests/test_multihost.py's worker processes do without it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-jax-test-cache-")
   os.environ["SPECDEC_TEST_CACHE_OWNER"] = str(os.getpid())

@@ -3,7 +3,11 @@
 The test process computes the single-process results of every case
 (:mod:`tests.multihost_cases`) on its own 8 CPU devices and saves them; two worker processes
 (``tests/multihost_worker.py``, 4 devices each) run the same calls on global arrays that span
-both and compare the shards they hold, exactly. A timeout turns a hang into a failure.
+both and compare the shards they hold, exactly. A third process runs a few of the cases
+(:data:`~tests.multihost_cases.DEFAULT_FLAG_CHECKS`) in one process under XLA's *default*
+flags and compares them the same way: the check that conftest.py's faster-compiling flags,
+under which the rest of the suite (and the workers) run, change no result. A timeout turns a
+hang into a failure.
 """
 
 from __future__ import annotations
@@ -55,11 +59,13 @@ def test_two_processes_give_the_single_process_results(tmp_path):
   np.savez(reference, **arrays)
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(WORKER.parents[1]))
-  for var in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):  # XLA's defaults, no shared cache
-    env.pop(var, None)
-  procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(reference)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-           for i in range(2)]
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # their programs are their own: nothing to share
+  defaults = {k: v for k, v in env.items() if k != "XLA_FLAGS"}  # XLA's default flags
+  commands = [([str(port), str(i), str(reference)], env) for i in range(2)]
+  commands.append((["default-flags", str(reference)], defaults))
+  procs = [subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=proc_env)
+           for args, proc_env in commands]
   outputs = []
   try:
     for proc in procs:
@@ -68,8 +74,9 @@ def test_two_processes_give_the_single_process_results(tmp_path):
     for proc in procs:
       proc.kill()
     pytest.fail(f"the workers did not finish within {TIMEOUT_S} s (a hang in a collective?)")
-  for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+  names = [list(results)] * 2 + [list(multihost_cases.DEFAULT_FLAG_CHECKS)]
+  for i, (proc, out, checks) in enumerate(zip(procs, outputs, names, strict=True)):
     assert proc.returncode == 0, f"process {i} failed:\n{out[-5000:]}"
-    for name in results:
+    for name in checks:
       assert f"OK {name}\n" in out, f"process {i} did not check {name}:\n{out[-3000:]}"
     assert "DONE" in out
