@@ -8,6 +8,8 @@ after it. The command line's share is in ``tests/app/test_cli.py``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,12 +172,19 @@ def test_prompt_ids_out_of_range_raise_when_concrete(model, name, bad_id):
   fn(prompt, LENGTHS, jax.random.key(0), max_new_tokens=4)
 
 
+@functools.cache
+def _traced_prompts(name: str):
+  """Loop ``name`` jitted with the prompt and lengths traced (one program for the tests that
+  trace them)."""
+  fn = _loops()[name]
+  return jax.jit(lambda prompt, lengths: fn(prompt, lengths, jax.random.key(0), max_new_tokens=3))
+
+
 @pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])
 def test_prompt_ids_out_of_range_are_flagged_when_traced(name):
   prompt = PROMPT.copy()
   prompt[0, 2] = -5
-  fn = _loops()[name]
-  out = jax.jit(lambda p: fn(p, LENGTHS, jax.random.key(0), max_new_tokens=4))(prompt)
+  out = _traced_prompts(name)(prompt, LENGTHS)
   assert int(out.error[0]) & ErrorCode.TOKEN_OUT_OF_RANGE
   assert int(out.error[1]) == 0
   tokens = np.asarray(out.tokens)
@@ -360,8 +369,7 @@ def test_eos_outside_the_vocabulary_raises_or_is_flagged(name):
 
 @pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])
 def test_traced_prompt_lengths_outside_one_to_p_are_flagged_and_generate_nothing(name):
-  fn = _loops()[name]
-  run = jax.jit(lambda lengths: fn(PROMPT, lengths, jax.random.key(0), max_new_tokens=3))
+  run = functools.partial(_traced_prompts(name), PROMPT)
   good = run(LENGTHS)
   np.testing.assert_array_equal(good.error, 0)
   width = PROMPT.shape[1]
