@@ -16,12 +16,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._block import block_verify
+from specdec_jax._rules import CHAIN_RULES
 from specdec_jax._verify import VerifyResult
+from specdec_jax._verify import verify
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
 from specdec_jax.decoding.adaptive import choose_num_draft
 from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.common import after_verify
 from specdec_jax.decoding.common import batch_rows
+from specdec_jax.decoding.common import lazy_processed
 from specdec_jax.decoding.common import make_common
 from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.common import prefill
@@ -43,6 +47,10 @@ from specdec_jax.decoding.types import SpeculativeResult
 #: num_draft) -> VerifyResult`` for one sequence, the signature of :func:`~specdec_jax.verify`.
 Verifier = Callable[..., VerifyResult]
 
+#: The named verifiers' rules (:data:`~specdec_jax._rules.CHAIN_RULES`): the loop runs them on
+#: lazily processed logits (:func:`verify_step`).
+RULE_OF = {verify: "token", block_verify: "block"}
+
 _STATIC = ("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "context",
            "pad_id", "adaptive")
 
@@ -62,6 +70,7 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
   prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
   is_model = isinstance(draft, ModelFns)
   is_feature = isinstance(draft, FeatureFns)
+  is_lookup = not (is_model or is_feature)
   slots = jnp.arange(gamma + 1, dtype=jnp.int32)
 
   def init() -> SpecState:
@@ -141,8 +150,8 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
     else:  # rows past a row's num_draft + 1 are padding, which the verifier never reads
       logits, target_cache, feats = run_one(
         jnp.max(num_draft), [score(k) for k in range(gamma + 1)], s.target_cache)
-    result = jax.vmap(verifier)(processed(logits, params), q, draft_tokens, uniforms,
-                                num_draft=num_draft)
+    result = verify_step(verifier, logits, params, None if is_lookup else q, q, draft_tokens,
+                         uniforms, num_draft, vocab=vocab)
     if is_feature:
       draft_cache = (feature_cache, feats, s.lengths)
     new = after_verify(s, result, common, active=active, target_cache=target_cache,
@@ -154,6 +163,29 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
     return new
 
   return common, init, cond, body
+
+
+def verify_step(verifier: Verifier, logits, params, q_rows, q, draft, uniforms, num_draft, *,
+                vocab: int) -> VerifyResult:
+  """The loop's verification of ``(B, gamma + 1, V)`` target logits.
+
+  :func:`~specdec_jax.verify` and :func:`~specdec_jax.block_verify` (the named verifiers) read
+  the target's rows lazily processed (no ``(B, gamma + 1, V)`` probability array is written)
+  and ``q_rows``: the draft's rows, or None for point-mass proposals (prompt lookup), whose
+  rule needs no draft array. The rule and its arithmetic are those of the named function on
+  the processed rows. Any other verifier gets the processed probabilities and ``q``.
+  """
+  rule = RULE_OF.get(verifier)
+  if rule is None:
+    return jax.vmap(verifier)(processed(logits, params), q, draft, uniforms,
+                              num_draft=num_draft)
+  rows, axes = lazy_processed(logits, params)
+
+  def one(p, q, draft, u, n):
+    return CHAIN_RULES[rule](p, q, draft, u, n, pad_id=-1, vocab=vocab)
+
+  return jax.vmap(one, in_axes=(axes, None if q_rows is None else 0, 0, 0, 0))(
+    rows, q_rows, draft, uniforms, num_draft)
 
 
 def run_one(index: jax.Array, branches, cache):

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
+from specdec_jax._lazy import LogitRows
+from specdec_jax._lazy import lazy_rows
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import params_error
 from specdec_jax._logits import process_unchecked
@@ -32,6 +34,24 @@ def model_ids(tokens: jax.Array, vocab: int) -> jax.Array:
 def processed(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Processed distributions of ``(B, V)`` or ``(B, T, V)`` logits with per-row params."""
   return jax.vmap(process_unchecked)(logits, params)
+
+
+def lazy_processed(logits: jax.Array, params: SamplingParams) -> tuple[LogitRows, LogitRows]:
+  """``(B, R, V)`` logits with per-row ``params`` (fields ``(B,)``) as a lazily processed row
+  source (:mod:`specdec_jax._lazy`): what :func:`processed` would return, read where a rule
+  reads it, without the ``(B, R, V)`` copy.
+
+  Returns ``(rows, in_axes)``: ``rows`` with statistics ``(B, R)``, and the ``jax.vmap`` axes
+  that hand each sequence its ``(R, V)`` rows. The statistics are computed for the whole batch
+  at once, so their batch-level branches (no top-k work when no row has top-k, ...) stay
+  branches: under ``jax.vmap`` a ``lax.cond`` would run both sides.
+  """
+  batch, count, vocab = logits.shape
+  flat = SamplingParams(*(None if v is None else jnp.repeat(v, count) for v in params))
+  source = lazy_rows(logits.reshape(batch * count, vocab), flat)
+  stats = jax.tree.map(lambda a: a.reshape(batch, count), source.stats)
+  axes = LogitRows(0, jax.tree.map(lambda _: 0, stats), None)
+  return LogitRows(logits, stats, source.column), axes
 
 
 def uniform(key: jax.Array, shape=()) -> jax.Array:

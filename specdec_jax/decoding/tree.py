@@ -12,6 +12,7 @@ from jax import lax
 
 from specdec_jax._checks import check_pad_id
 from specdec_jax._logits import SamplingParams
+from specdec_jax._rules import TREE_RULE
 from specdec_jax._tree import tree_verify
 from specdec_jax.decoding.args import StaticFunction
 from specdec_jax.decoding.args import auto_axes
@@ -23,6 +24,7 @@ from specdec_jax.decoding.args import check_same_vocab
 from specdec_jax.decoding.args import row_keys as make_row_keys
 from specdec_jax.decoding.common import after_verify
 from specdec_jax.decoding.common import batch_rows
+from specdec_jax.decoding.common import lazy_processed
 from specdec_jax.decoding.common import make_common
 from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.common import prefill
@@ -175,11 +177,21 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
     else:
       logits, target_cache = target.tree_apply(target_params, model_ids(node_tokens, vocab),
                                                positions, s.target_cache, root, all_nodes, mask)
-    p = processed(logits, params)
     uniforms = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0), (size,)))(step_keys)
     tree_parents = jnp.asarray(parents)
-    result = jax.vmap(lambda p, q, t, u, n: tree_verifier(p, q, tree_parents, t, u, num_nodes=n))(
-      p, p if q is None else q, node_tokens, uniforms, num_nodes)
+    if tree_verifier is default_tree_verifier(law, depth):
+      # tree_verify's rule on lazily processed target rows: no (B, N, V) probability array.
+      p, axes = lazy_processed(logits, params)
+      result = jax.vmap(lambda p, q, t, u, n: TREE_RULE(
+        p, q, tree_parents, t, u, n, law=law, pad_id=-1, max_depth=depth,
+        uniform_layout="sequential", vocab=vocab), in_axes=(axes, None if q is None else 0, 0,
+                                                           0, 0))(
+        p, q, node_tokens, uniforms, num_nodes)
+    else:
+      p = processed(logits, params)
+      result = jax.vmap(lambda p, q, t, u, n: tree_verifier(p, q, tree_parents, t, u,
+                                                            num_nodes=n))(
+        p, p if q is None else q, node_tokens, uniforms, num_nodes)
 
     accepted = jnp.where(active, result.num_accepted, 0)
     # Move the accepted path from its tree slots to the slots of its positions.

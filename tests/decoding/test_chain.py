@@ -166,6 +166,36 @@ def test_mixed_params_per_row():
     np.testing.assert_array_equal(out.num_new, MAX_NEW)
 
 
+#: Per-row temperature, top-k and top-p, greedy rows mixed in (the engines' input).
+MIXED = SamplingParams(np.array([0.0, 1.0, 0.0, 0.7, 0.9, 1.3], np.float32),
+                       np.array([0, 5, 3, 0, 8, 0], np.int32),
+                       np.array([1.0, 0.9, 1.0, 0.8, 1.0, 0.95], np.float32))
+
+
+@pytest.mark.parametrize("name, draft", [("token", NEAR), ("block", PromptLookup())],
+                         ids=["token-model", "block-lookup"])
+def test_named_verifiers_read_the_logits_lazily_and_agree_with_processed_rows(name, draft):
+  """The named verifiers run on lazily processed target logits (the candidate selection's
+  ``top_k`` is in the program, no processed ``(B, gamma + 1, V)`` array is made); a function
+  verifier gets the processed probabilities. With the same keys both give the same tokens."""
+  named = VERIFIERS[name]
+
+  def as_function(p, q, draft, uniforms, *, num_draft):
+    return named(p, q, draft, uniforms, num_draft=num_draft)
+
+  def run(verifier):
+    return speculative_generate(TARGET, draft, PROMPTS, PROMPT_LENGTHS, jax.random.key(5),
+                                gamma=3, max_new_tokens=MAX_NEW, params=MIXED, verifier=verifier)
+
+  lazy, eager = run(name), run(as_function)
+  for field in ("tokens", "num_new", "error"):
+    np.testing.assert_array_equal(getattr(lazy, field), getattr(eager, field), err_msg=field)
+  np.testing.assert_array_equal(lazy.stats.accepted_at, eager.stats.accepted_at)
+  np.testing.assert_array_equal(lazy.error, 0)
+  assert "top_k" in str(jax.make_jaxpr(lambda: run(name))())
+  assert "top_k" not in str(jax.make_jaxpr(lambda: run(as_function))())
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling exactness: the distribution of whole generated sequences.
 

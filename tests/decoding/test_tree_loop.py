@@ -72,6 +72,31 @@ def _check_stats(out, tree: DraftTree, eos: bool = False):
     np.testing.assert_array_equal(out.num_new, s.row_target_calls + s.accepted)
 
 
+def test_the_default_verifier_reads_the_logits_lazily_and_agrees_with_processed_rows():
+  """The default tree verifier runs on lazily processed target logits (the candidate
+  selection's ``top_k`` is in the program); a function verifier gets the processed
+  probabilities. Per-row temperature, top-k and top-p with greedy rows: the same tokens."""
+  params = SamplingParams(np.array([0.0, 1.0, 0.7, 0.0, 1.3], np.float32),
+                          np.array([0, 5, 0, 3, 8], np.int32),
+                          np.array([1.0, 0.9, 0.8, 1.0, 0.95], np.float32))
+
+  def as_function(p, q, parents, tokens, uniforms, *, num_nodes):
+    return tree_verify(p, q, parents, tokens, uniforms, num_nodes=num_nodes, law="iid",
+                       max_depth=TREES["wide"].depth)
+
+  def run(tree_verifier):
+    return tree_speculative_generate(TARGET, NEAR, PROMPTS, PROMPT_LENGTHS, jax.random.key(4),
+                                     tree=TREES["wide"], law="iid", max_new_tokens=MAX_NEW,
+                                     params=params, tree_verifier=tree_verifier)
+
+  lazy, eager = run(None), run(as_function)
+  for field in ("tokens", "num_new", "error"):
+    np.testing.assert_array_equal(getattr(lazy, field), getattr(eager, field), err_msg=field)
+  np.testing.assert_array_equal(lazy.error, 0)
+  assert "top_k" in str(jax.make_jaxpr(lambda: run(None))())
+  assert "top_k" not in str(jax.make_jaxpr(lambda: run(as_function))())
+
+
 # ---------------------------------------------------------------------------------------------
 # The tree's shape.
 
