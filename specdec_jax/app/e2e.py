@@ -57,6 +57,7 @@ from specdec_jax import verify
 from specdec_jax.app import smollm2
 from specdec_jax.app.gguf import GGUFError
 from specdec_jax.app.tables import format_table
+from specdec_jax.decoding.chain_loop import verify_step
 from specdec_jax.models.llama import make_model
 from specdec_jax.theory import expected_tokens_per_position
 
@@ -124,7 +125,9 @@ class Costs:
   draft_sync: dict[str, float]  # the draft's first call of an iteration (eagle: its gamma + 1)
   prefill: dict[str, float]  # the target on the whole prompt, by prompt name
   sample: float  # process the logits of 1 token and sample (plain decoding's extra)
-  verify: dict[int, float]  # process the logits of gamma + 1 and gamma tokens and verify
+  verify: dict[int, float]  # verify gamma + 1 target logit rows as the loop does (lazily)
+  # the same with every target row processed into probabilities first (the loop before)
+  verify_processed: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 def draft_tree(draft: str, tree: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -315,14 +318,23 @@ def measure_costs(setup: Setup, *, gamma: int | None, max_len: int,
     return sample_index(process_logits(x, params), jnp.float32(0.5))
 
   @jax.jit
-  def verify_one(x):
+  def verify_processed(x):
     g = x.shape[0] - 1
     p, q = process_logits(x, params), process_logits(x[:g], params)
     return verify(p, q, jnp.zeros(g, jnp.int32), jnp.full(g + 1, 0.5))
 
+  @jax.jit
+  def verify_as_the_loop(x):  # the draft's q is processed (it was sampled from), p is not
+    g = x.shape[0] - 1
+    q = process_logits(x[:g], params)[None]
+    return verify_step(verify, x[None], SamplingParams(params.temperature[None]), q, q,
+                       jnp.zeros((1, g), jnp.int32), jnp.full((1, g + 1), 0.5),
+                       jnp.full((1,), g, jnp.int32), vocab=vocab)
+
   _, _, sample_s = _timed(lambda: sample_one(logits[0]), repeats)
-  verify_ms = {g: _timed(lambda g=g: verify_one(logits[:g + 1]), repeats)[2] * 1e3
-               for g in gammas}
+  verify_ms, processed_ms = (
+    {g: _timed(lambda g=g, fn=fn: fn(logits[:g + 1]), repeats)[2] * 1e3 for g in gammas}
+    for fn in (verify_as_the_loop, verify_processed))
   draft_step = {"lookup": 0.0}
   draft_sync = {"lookup": 0.0}
   for name in ("skip", "early"):
@@ -334,7 +346,7 @@ def measure_costs(setup: Setup, *, gamma: int | None, max_len: int,
                                             max_len, repeats)
   prefill = {name: call_time(setup.target, n, start=0) for name, n in prompt_lengths.items()}
   return Costs(call_time(setup.target, 1), {g: call_time(setup.target, g + 1) for g in gammas},
-               draft_step, draft_sync, prefill, sample_s * 1e3, verify_ms)
+               draft_step, draft_sync, prefill, sample_s * 1e3, verify_ms, processed_ms)
 
 
 def feature_call_time(draft, width: int, max_len: int, repeats: int, start: int = 100) -> float:
@@ -413,7 +425,10 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
   print(format_table(header, rows, align="lrlrrrrrrl"), file=out)
   prefill = ", ".join(f"{k} {v:.1f}" for k, v in costs.prefill.items())
   calls = ", ".join(f"{g + 1} tokens {v:.2f}" for g, v in costs.target_verify.items())
-  verifies = ", ".join(f"gamma {g} {v:.2f}" for g, v in costs.verify.items())
+  verifies = ", ".join(
+    f"gamma {g} {v:.2f}" + (f" [{costs.verify_processed[g]:.2f} with the rows processed first]"
+                            if g in costs.verify_processed else "")
+    for g, v in costs.verify.items())
   print(f"\n  costs at batch 1 (median ms, each measured alone): prefill ({prefill}), "
         f"target step {costs.target_step:.2f}, target call on {calls}, sample "
         f"{costs.sample:.2f}, verify ({verifies}), "

@@ -176,7 +176,7 @@ def verify_step(verifier: Verifier, logits, params, q_rows, q, draft, uniforms, 
   the processed rows. Any other verifier gets the processed probabilities and ``q``.
   """
   rule = RULE_OF.get(verifier)
-  if rule is None:
+  if rule is None or not logits.size:  # (an empty batch has no rows to take statistics of)
     return jax.vmap(verifier)(processed(logits, params), q, draft, uniforms,
                               num_draft=num_draft)
   rows, axes = lazy_processed(logits, params)

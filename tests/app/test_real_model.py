@@ -279,3 +279,16 @@ def test_text_that_is_not_unicode_is_named(smollm2):
       call("hi \ud800 there")
   with pytest.raises(TypeError, match=r"Tokenizer.encode: `text` must be a str, got bytes"):
     tok.encode(b"hi")
+
+
+def test_the_logits_bench_reads_the_rows_each_answer_token_was_drawn_from(smollm2):
+  """bench_logits' real rows: with greedy answers each row's argmax is the token drawn from it
+  (an off-by-one position would give the row before or after)."""
+  from specdec_jax.app.bench_logits import answer_rows
+
+  params, config, tokenizer = smollm2
+  model = llama.make_model(params, config, name="SmolLM2-135M")
+  rows, answers = answer_rows(model, tokenizer, ["Name a colour.", "Count to three."],
+                              new_tokens=3, temperature=0.0)
+  assert rows.shape == (len(answers), config.vocab_size) and len(answers) >= 4
+  np.testing.assert_array_equal(rows.argmax(axis=1), answers)

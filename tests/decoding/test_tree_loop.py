@@ -93,8 +93,7 @@ def test_the_default_verifier_reads_the_logits_lazily_and_agrees_with_processed_
   for field in ("tokens", "num_new", "error"):
     np.testing.assert_array_equal(getattr(lazy, field), getattr(eager, field), err_msg=field)
   np.testing.assert_array_equal(lazy.error, 0)
-  assert "top_k" in str(jax.make_jaxpr(lambda: run(None))())
-  assert "top_k" not in str(jax.make_jaxpr(lambda: run(as_function))())
+  assert "top_k" in str(jax.make_jaxpr(lambda: run(None))())  # (test_chain has the control)
 
 
 # ---------------------------------------------------------------------------------------------
