@@ -31,6 +31,7 @@ from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.common import prefill
 from specdec_jax.decoding.common import prefill_and_start
 from specdec_jax.decoding.common import processed
+from specdec_jax.decoding.common import reads_lazily
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.drafts import FeatureFns
@@ -170,13 +171,15 @@ def verify_step(verifier: Verifier, logits, params, q_rows, q, draft, uniforms, 
   """The loop's verification of ``(B, gamma + 1, V)`` target logits.
 
   :func:`~specdec_jax.verify` and :func:`~specdec_jax.block_verify` (the named verifiers) read
-  the target's rows lazily processed (no ``(B, gamma + 1, V)`` probability array is written)
-  and ``q_rows``: the draft's rows, or None for point-mass proposals (prompt lookup), whose
-  rule needs no draft array. The rule and its arithmetic are those of the named function on
-  the processed rows. Any other verifier gets the processed probabilities and ``q``.
+  the target's rows lazily processed when some request may cut them with top-k or top-p
+  (:func:`~specdec_jax.decoding.common.reads_lazily`: no ``(B, gamma + 1, V)`` probability
+  array is written) and ``q_rows``: the draft's rows, or None for point-mass proposals
+  (prompt lookup), whose rule needs no draft array. The rule and its arithmetic are those of
+  the named function on the processed rows. Otherwise, and for any other verifier, the rows
+  are processed first and the verifier gets the probabilities and ``q``.
   """
   rule = RULE_OF.get(verifier)
-  if rule is None or not logits.size:  # (an empty batch has no rows to take statistics of)
+  if rule is None or not reads_lazily(logits, params):
     return jax.vmap(verifier)(processed(logits, params), q, draft, uniforms,
                               num_draft=num_draft)
   rows, axes = lazy_processed(logits, params)

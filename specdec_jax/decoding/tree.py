@@ -30,6 +30,7 @@ from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.common import prefill
 from specdec_jax.decoding.common import prefill_and_start
 from specdec_jax.decoding.common import processed
+from specdec_jax.decoding.common import reads_lazily
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.data_parallel import run_loop
@@ -179,7 +180,7 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
                                                positions, s.target_cache, root, all_nodes, mask)
     uniforms = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0), (size,)))(step_keys)
     tree_parents = jnp.asarray(parents)
-    if tree_verifier is default_tree_verifier(law, depth) and logits.size:
+    if tree_verifier is default_tree_verifier(law, depth) and reads_lazily(logits, params):
       # tree_verify's rule on lazily processed target rows: no (B, N, V) probability array.
       p, axes = lazy_processed(logits, params)
       result = jax.vmap(lambda p, q, t, u, n: TREE_RULE(
