@@ -58,6 +58,7 @@ from specdec_jax.app import smollm2
 from specdec_jax.app.gguf import GGUFError
 from specdec_jax.app.tables import format_table
 from specdec_jax.decoding.chain_loop import verify_step
+from specdec_jax.decoding.common import processed
 from specdec_jax.models.llama import make_model
 from specdec_jax.theory import expected_tokens_per_position
 
@@ -125,9 +126,9 @@ class Costs:
   draft_sync: dict[str, float]  # the draft's first call of an iteration (eagle: its gamma + 1)
   prefill: dict[str, float]  # the target on the whole prompt, by prompt name
   sample: float  # process the logits of 1 token and sample (plain decoding's extra)
-  verify: dict[int, float]  # verify gamma + 1 target logit rows as the loop does (lazily)
-  # the same with every target row processed into probabilities first (the loop before)
-  verify_processed: dict[int, float] = dataclasses.field(default_factory=dict)
+  verify: dict[int, float]  # process the logits of gamma + 1 and gamma tokens and verify
+  # by request that cuts its rows: (rows processed first, as the loop verifies), ms
+  verify_cut: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 def draft_tree(draft: str, tree: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -318,23 +319,15 @@ def measure_costs(setup: Setup, *, gamma: int | None, max_len: int,
     return sample_index(process_logits(x, params), jnp.float32(0.5))
 
   @jax.jit
-  def verify_processed(x):
+  def verify_one(x):
     g = x.shape[0] - 1
     p, q = process_logits(x, params), process_logits(x[:g], params)
     return verify(p, q, jnp.zeros(g, jnp.int32), jnp.full(g + 1, 0.5))
 
-  @jax.jit
-  def verify_as_the_loop(x):  # the draft's q is processed (it was sampled from), p is not
-    g = x.shape[0] - 1
-    q = process_logits(x[:g], params)[None]
-    return verify_step(verify, x[None], SamplingParams(params.temperature[None]), q, q,
-                       jnp.zeros((1, g), jnp.int32), jnp.full((1, g + 1), 0.5),
-                       jnp.full((1,), g, jnp.int32), vocab=vocab)
-
   _, _, sample_s = _timed(lambda: sample_one(logits[0]), repeats)
-  verify_ms, processed_ms = (
-    {g: _timed(lambda g=g, fn=fn: fn(logits[:g + 1]), repeats)[2] * 1e3 for g in gammas}
-    for fn in (verify_as_the_loop, verify_processed))
+  verify_ms = {g: _timed(lambda g=g: verify_one(logits[:g + 1]), repeats)[2] * 1e3
+               for g in gammas}
+  cut_ms = cut_verification_ms(setup, max(gammas), repeats)
   draft_step = {"lookup": 0.0}
   draft_sync = {"lookup": 0.0}
   for name in ("skip", "early"):
@@ -346,7 +339,46 @@ def measure_costs(setup: Setup, *, gamma: int | None, max_len: int,
                                             max_len, repeats)
   prefill = {name: call_time(setup.target, n, start=0) for name, n in prompt_lengths.items()}
   return Costs(call_time(setup.target, 1), {g: call_time(setup.target, g + 1) for g in gammas},
-               draft_step, draft_sync, prefill, sample_s * 1e3, verify_ms, processed_ms)
+               draft_step, draft_sync, prefill, sample_s * 1e3, verify_ms, cut_ms)
+
+
+#: Requests that cut their rows, for the cost line of the loop's verification from logits.
+CUT_PARAMS = {"top-k 50": SamplingParams(np.float32(0.7), np.int32(50), None),
+              "top-p 0.9": SamplingParams(np.float32(0.7), None, np.float32(0.9))}
+
+
+def cut_verification_ms(setup: Setup, gamma: int, repeats: int) -> dict[str, tuple[float, float]]:
+  """``{request: (ms with every target row processed first, ms as the loop verifies)}``.
+
+  One verification step of the chain loop (:func:`~specdec_jax.decoding.chain_loop.verify_step`,
+  a model draft's processed ``q``) on the target's real logits: its last ``gamma + 1`` rows
+  on the open-ended prompt. With a top-k or top-p request the loop reads the target's rows
+  lazily; "processed first" is the same step through a function verifier (the loop before).
+  """
+  ids = jnp.asarray([setup.encode(PROMPTS["open-ended"])], jnp.int32)
+  width = ids.shape[1]
+  logits, _ = jax.jit(setup.target.apply)(
+    setup.target.params, ids, jnp.arange(width, dtype=jnp.int32)[None],
+    setup.target.init_cache(1, width))
+  x = logits[:, -(gamma + 1):].astype(jnp.float32)
+  draft, uniforms = jnp.zeros((1, gamma), jnp.int32), jnp.full((1, gamma + 1), 0.5)
+
+  def function_verifier(p, q, draft, uniforms, *, num_draft):
+    return verify(p, q, draft, uniforms, num_draft=num_draft)
+
+  out = {}
+  for label, params in CUT_PARAMS.items():
+    rows = SamplingParams(*(None if v is None else jnp.asarray(v)[None] for v in params))
+    times = []
+    for verifier in (function_verifier, verify):
+      @jax.jit
+      def step(x, rows=rows, verifier=verifier):
+        q = processed(x[:, :gamma], rows)
+        return verify_step(verifier, x, rows, q, q, draft, uniforms,
+                           jnp.full((1,), gamma, jnp.int32), vocab=x.shape[-1])
+      times.append(_timed(lambda step=step: step(x), repeats)[2] * 1e3)
+    out[label] = (times[0], times[1])
+  return out
 
 
 def feature_call_time(draft, width: int, max_len: int, repeats: int, start: int = 100) -> float:
@@ -425,16 +457,18 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
   print(format_table(header, rows, align="lrlrrrrrrl"), file=out)
   prefill = ", ".join(f"{k} {v:.1f}" for k, v in costs.prefill.items())
   calls = ", ".join(f"{g + 1} tokens {v:.2f}" for g, v in costs.target_verify.items())
-  verifies = ", ".join(
-    f"gamma {g} {v:.2f}" + (f" [{costs.verify_processed[g]:.2f} with the rows processed first]"
-                            if g in costs.verify_processed else "")
-    for g, v in costs.verify.items())
+  verifies = ", ".join(f"gamma {g} {v:.2f}" for g, v in costs.verify.items())
   print(f"\n  costs at batch 1 (median ms, each measured alone): prefill ({prefill}), "
         f"target step {costs.target_step:.2f}, target call on {calls}, sample "
         f"{costs.sample:.2f}, verify ({verifies}), "
         + ", ".join(f"{k} draft step {v:.2f}" for k, v in costs.draft_step.items())
         + ", eagle first call (gamma + 1 tokens) "
         + f"{costs.draft_sync.get('eagle', float('nan')):.2f}", file=out)
+  if costs.verify_cut:
+    print("  verification with a request that cuts its rows (gamma "
+          f"{max(costs.verify)}, real rows): " + ", ".join(
+            f"{k} {lazy:.2f} (rows processed first: {first:.2f})"
+            for k, (first, lazy) in costs.verify_cut.items()), file=out)
   print("  speed-up: this run's tokens/s over plain decoding's. predicted: Leviathan et al. "
         "Theorem 3.8 from the measured\n  acceptance by position (alpha_i) and the costs above, "
         "prefill included (see specdec_jax.app.e2e.predicted_speedup).", file=out)

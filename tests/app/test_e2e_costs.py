@@ -51,3 +51,13 @@ def test_predicted_speedup_of_an_adaptive_run_uses_its_counts():
   policy = e2e.adaptive_policy(COSTS, "lookup", gamma=4)
   expected = (60.0 + 100 * 19.2) / (60.0 + 100 * 19.2 * (1 + policy.fixed_cost))
   assert e2e.predicted_speedup(run, COSTS) == pytest.approx(expected)
+
+
+def test_the_report_gives_the_cost_of_verifying_rows_a_request_cuts():
+  import io
+
+  costs = e2e.Costs(**{**COSTS.__dict__, "verify_cut": {"top-k 50": (1.9, 0.45)}})
+  out = io.StringIO()
+  e2e.report([_run("plain", alphas=()), _run("lookup", alphas=(0.5, 0.5, 0.5, 0.5))], costs,
+             out=out)
+  assert "(gamma 4, real rows): top-k 50 0.45 (rows processed first: 1.90)" in out.getvalue()
