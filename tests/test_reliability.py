@@ -360,11 +360,11 @@ def test_eos_outside_the_vocabulary_raises_or_is_flagged(name):
   run = jax.jit(lambda eos: fn(PROMPT, LENGTHS, jax.random.key(0), max_new_tokens=3,
                                eos_id=eos))
   # -1 is the loops' own "no eos"; a traced -1 or -2 from the caller is out of range too.
-  for eos in (V, -1, -2, np.int32(2**31 - 1)):
-    out = run(eos)
+  for eos in (V, -1, -2, 2**31 - 1):  # all int32 arrays: one compiled program
+    out = run(np.int32(eos))
     np.testing.assert_array_equal(out.error, [ErrorCode.BAD_PARAMS] * 2, err_msg=str(eos))
     np.testing.assert_array_equal(out.num_new, [3, 3])
-  np.testing.assert_array_equal(run(1).error, 0)
+  np.testing.assert_array_equal(run(np.int32(1)).error, 0)
 
 
 @pytest.mark.parametrize("name", ["generate", "speculative", "lookup", "tree"])

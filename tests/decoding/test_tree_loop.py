@@ -72,6 +72,9 @@ def _check_stats(out, tree: DraftTree, eos: bool = False):
     np.testing.assert_array_equal(out.num_new, s.row_target_calls + s.accepted)
 
 
+SMALL_TREE = DraftTree.from_branching((2, 1))
+
+
 def test_the_default_verifier_reads_the_logits_lazily_and_agrees_with_processed_rows():
   """The default tree verifier runs on lazily processed target logits (the candidate
   selection's ``top_k`` is in the program); a function verifier gets the processed
@@ -82,11 +85,11 @@ def test_the_default_verifier_reads_the_logits_lazily_and_agrees_with_processed_
 
   def as_function(p, q, parents, tokens, uniforms, *, num_nodes):
     return tree_verify(p, q, parents, tokens, uniforms, num_nodes=num_nodes, law="iid",
-                       max_depth=TREES["wide"].depth)
+                       max_depth=SMALL_TREE.depth)
 
   def run(tree_verifier):
     return tree_speculative_generate(TARGET, NEAR, PROMPTS, PROMPT_LENGTHS, jax.random.key(4),
-                                     tree=TREES["wide"], law="iid", max_new_tokens=MAX_NEW,
+                                     tree=SMALL_TREE, law="iid", max_new_tokens=MAX_NEW,
                                      params=params, tree_verifier=tree_verifier)
 
   lazy, eager = run(None), run(as_function)
