@@ -49,18 +49,19 @@ from specdec_jax import DraftTree
 from specdec_jax import PromptLookup
 from specdec_jax import SamplingParams
 from specdec_jax import generate
-from specdec_jax import process_logits
-from specdec_jax import sample_index
 from specdec_jax import speculative_generate
 from specdec_jax import tree_speculative_generate
-from specdec_jax import verify
 from specdec_jax.app import smollm2
+from specdec_jax.app.e2e_costs import DEFAULT_GAMMA
+from specdec_jax.app.e2e_costs import Costs
+from specdec_jax.app.e2e_costs import adaptive_policy
+from specdec_jax.app.e2e_costs import draft_gamma
+from specdec_jax.app.e2e_costs import measure_costs
+from specdec_jax.app.e2e_costs import predicted_speedup
+from specdec_jax.app.e2e_costs import timed
 from specdec_jax.app.gguf import GGUFError
 from specdec_jax.app.tables import format_table
-from specdec_jax.decoding.chain_loop import verify_step
-from specdec_jax.decoding.common import processed
 from specdec_jax.models.llama import make_model
-from specdec_jax.theory import expected_tokens_per_position
 
 #: Built-in prompts: one that copies from its input, one open-ended.
 PROMPTS = {
@@ -80,11 +81,6 @@ PROMPTS = {
 #: same draft building a top-k tree of :data:`DEFAULT_TREE` (``--verifier tree`` adds one per
 #: draft).
 DRAFTS = ("lookup", "lookup-adaptive", "eagle", "eagle-adaptive", "eagle+tree", "skip", "early")
-
-#: Proposals per iteration of each draft unless ``--gamma`` says otherwise: the best measured on
-#: this CPU (the learned draft's third proposal is accepted too rarely to pay for its tokens in
-#: the target's call; prompt lookup proposes runs of copied text).
-DEFAULT_GAMMA = {"lookup": 4, "eagle": 2, "skip": 4, "early": 4}
 
 #: The draft tree of ``--verifier tree`` per draft unless ``--tree`` says otherwise (candidates
 #: per node at each depth). Layer drafts: 2 after the root, 2 after each of those, then one more
@@ -116,21 +112,6 @@ class Run:
   proposals: int = 0
 
 
-@dataclasses.dataclass
-class Costs:
-  """Measured times (ms, median, batch 1) of the pieces of a decoding step, each in isolation."""
-
-  target_step: float  # one target call on 1 token
-  target_verify: dict[int, float]  # one target call on gamma + 1 tokens, by gamma
-  draft_step: dict[str, float]  # one draft call on 1 token (0 for prompt lookup)
-  draft_sync: dict[str, float]  # the draft's first call of an iteration (eagle: its gamma + 1)
-  prefill: dict[str, float]  # the target on the whole prompt, by prompt name
-  sample: float  # process the logits of 1 token and sample (plain decoding's extra)
-  verify: dict[int, float]  # process the logits of gamma + 1 and gamma tokens and verify
-  # by request that cuts its rows: (rows processed first, as the loop verifies), ms
-  verify_cut: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
-
-
 def draft_tree(draft: str, tree: tuple[int, ...] | None) -> tuple[int, ...]:
   """``tree`` if given, else the draft's :data:`DEFAULT_TREE` (suffixes ignored)."""
   if tree is not None:
@@ -144,13 +125,6 @@ def runs_with(draft: str, verifier: str) -> bool:
   (``eagle+tree``); tree only for the drafts of :data:`DEFAULT_TREE` (a draft model, not prompt
   lookup nor ``-adaptive``)."""
   return verifier == "token" or ("+" not in draft and (verifier != "tree" or draft in DEFAULT_TREE))
-
-
-def draft_gamma(draft: str, gamma: int | None) -> int:
-  """``gamma`` if given, else the draft's :data:`DEFAULT_GAMMA` (``-adaptive``/``+...`` ignored)."""
-  if gamma is not None:
-    return gamma
-  return DEFAULT_GAMMA[draft.partition("+")[0].removesuffix("-adaptive")]
 
 
 class Setup:
@@ -180,20 +154,6 @@ class Setup:
 
   def encode(self, user_message: str) -> list[int]:
     return self.tokenizer.chat_ids(user_message)
-
-
-def _timed(fn, repeats: int) -> tuple[object, float, float]:
-  """(result, seconds of the first call, median seconds of ``repeats`` further calls)."""
-  start = time.perf_counter()
-  result = jax.block_until_ready(fn())
-  first = time.perf_counter() - start
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  median = statistics.median(times) if times else first
-  return result, first, median
 
 
 def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temperature: float,
@@ -269,7 +229,7 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
     calls[name], prompt_len = _make_call(setup, prompt_text, name, gamma=g,
                                          temperature=temperature, max_new_tokens=max_new_tokens,
                                          seed=seed, verifier="token", tree=tree)
-    results[name], compile_s[name], _ = _timed(calls[name], 0)
+    results[name], compile_s[name], _ = timed(calls[name], 0)
   times: dict[str, list[float]] = {name: [] for name in variants}
   for _ in range(max(repeats, 1)):
     for name in variants:
@@ -295,144 +255,6 @@ def conditional_acceptance(proposed_at: np.ndarray, accepted_at: np.ndarray) -> 
   reached = np.concatenate([[proposed_at[0]], accepted_at[:-1]]).astype(np.float64)
   reached = np.minimum(reached, proposed_at)  # proposals cut at the token budget
   return tuple(float(a / r) if r else 0.0 for a, r in zip(accepted_at, reached, strict=True))
-
-
-def measure_costs(setup: Setup, *, gamma: int | None, max_len: int,
-                  prompt_lengths: dict[str, int], repeats: int = 20) -> Costs:
-  """Median times of the pieces of a decoding step, each measured alone at batch 1."""
-  def call_time(model, width: int, start: int = 100) -> float:
-    cache = model.init_cache(1, max_len)
-    tokens = jnp.ones((1, width), jnp.int32)
-    positions = jnp.arange(width, dtype=jnp.int32)[None] + start
-    fn = jax.jit(model.apply)
-    _, _, seconds = _timed(lambda: fn(model.params, tokens, positions, cache), repeats)
-    return seconds * 1e3
-
-  vocab = setup.config.vocab_size
-  params = SamplingParams(temperature=jnp.float32(0.7))
-  names = [d for d in DEFAULT_GAMMA if d in setup.drafts]
-  gammas = sorted({draft_gamma(d, gamma) for d in names})
-  logits = jax.random.normal(jax.random.key(0), (max(gammas) + 1, vocab))
-
-  @jax.jit
-  def sample_one(x):
-    return sample_index(process_logits(x, params), jnp.float32(0.5))
-
-  @jax.jit
-  def verify_one(x):
-    g = x.shape[0] - 1
-    p, q = process_logits(x, params), process_logits(x[:g], params)
-    return verify(p, q, jnp.zeros(g, jnp.int32), jnp.full(g + 1, 0.5))
-
-  _, _, sample_s = _timed(lambda: sample_one(logits[0]), repeats)
-  verify_ms = {g: _timed(lambda g=g: verify_one(logits[:g + 1]), repeats)[2] * 1e3
-               for g in gammas}
-  cut_ms = cut_verification_ms(setup, max(gammas), repeats)
-  draft_step = {"lookup": 0.0}
-  draft_sync = {"lookup": 0.0}
-  for name in ("skip", "early"):
-    draft_step[name] = call_time(setup.drafts[name], 1)
-    draft_sync[name] = call_time(setup.drafts[name], 2)
-  if "eagle" in setup.drafts:
-    draft_step["eagle"] = feature_call_time(setup.drafts["eagle"], 1, max_len, repeats)
-    draft_sync["eagle"] = feature_call_time(setup.drafts["eagle"], draft_gamma("eagle", gamma) + 1,
-                                            max_len, repeats)
-  prefill = {name: call_time(setup.target, n, start=0) for name, n in prompt_lengths.items()}
-  return Costs(call_time(setup.target, 1), {g: call_time(setup.target, g + 1) for g in gammas},
-               draft_step, draft_sync, prefill, sample_s * 1e3, verify_ms, cut_ms)
-
-
-#: Requests that cut their rows, for the cost line of the loop's verification from logits.
-CUT_PARAMS = {"top-k 50": SamplingParams(np.float32(0.7), np.int32(50), None),
-              "top-p 0.9": SamplingParams(np.float32(0.7), None, np.float32(0.9))}
-
-
-def cut_verification_ms(setup: Setup, gamma: int, repeats: int) -> dict[str, tuple[float, float]]:
-  """``{request: (ms with every target row processed first, ms as the loop verifies)}``.
-
-  One verification step of the chain loop (:func:`~specdec_jax.decoding.chain_loop.verify_step`,
-  a model draft's processed ``q``) on the target's real logits: its last ``gamma + 1`` rows
-  on the open-ended prompt. With a top-k or top-p request the loop reads the target's rows
-  lazily; "processed first" is the same step through a function verifier (the loop before).
-  """
-  ids = jnp.asarray([setup.encode(PROMPTS["open-ended"])], jnp.int32)
-  width = ids.shape[1]
-  logits, _ = jax.jit(setup.target.apply)(
-    setup.target.params, ids, jnp.arange(width, dtype=jnp.int32)[None],
-    setup.target.init_cache(1, width))
-  x = logits[:, -(gamma + 1):].astype(jnp.float32)
-  draft, uniforms = jnp.zeros((1, gamma), jnp.int32), jnp.full((1, gamma + 1), 0.5)
-
-  def function_verifier(p, q, draft, uniforms, *, num_draft):
-    return verify(p, q, draft, uniforms, num_draft=num_draft)
-
-  out = {}
-  for label, params in CUT_PARAMS.items():
-    rows = SamplingParams(*(None if v is None else jnp.asarray(v)[None] for v in params))
-    times = []
-    for verifier in (function_verifier, verify):
-      @jax.jit
-      def step(x, rows=rows, verifier=verifier):
-        q = processed(x[:, :gamma], rows)
-        return verify_step(verifier, x, rows, q, q, draft, uniforms,
-                           jnp.full((1,), gamma, jnp.int32), vocab=x.shape[-1])
-      times.append(_timed(lambda step=step: step(x), repeats)[2] * 1e3)
-    out[label] = (times[0], times[1])
-  return out
-
-
-def feature_call_time(draft, width: int, max_len: int, repeats: int, start: int = 100) -> float:
-  """Median ms of one call of a :class:`~specdec_jax.decoding.FeatureDraft` on ``width`` tokens."""
-  cache = draft.init_cache(1, max_len)
-  tokens = jnp.ones((1, width), jnp.int32)
-  positions = jnp.arange(width, dtype=jnp.int32)[None] + start
-  features = jnp.zeros((1, width, draft.params.head.shape[1]), jnp.float32)
-  fn = jax.jit(draft.apply)
-  _, _, seconds = _timed(lambda: fn(draft.params, tokens, features, positions, cache), repeats)
-  return seconds * 1e3
-
-
-def adaptive_policy(costs: Costs, draft: str, gamma: int) -> AdaptiveSpeculation:
-  """The cost model of :class:`~specdec_jax.decoding.AdaptiveSpeculation` from measured costs.
-
-  Unit: a plain decoding step (target step + sample). ``verify_cost``: each extra token of the
-  target's call, ``(call on gamma + 1 - step) / gamma``; ``draft_cost``: a draft step;
-  ``fixed_cost``: what speculating adds per iteration beyond those (verification instead of
-  plain sampling, and the draft's first call beyond one step).
-  """
-  unit = costs.target_step + costs.sample
-  per_token = max(costs.target_verify[gamma] - costs.target_step, 0.0) / gamma
-  fixed = max(costs.verify[gamma] - costs.sample, 0.0) + max(
-    costs.draft_sync[draft] - costs.draft_step[draft], 0.0)
-  return AdaptiveSpeculation(draft_cost=costs.draft_step[draft] / unit,
-                             verify_cost=per_token / unit, fixed_cost=fixed / unit)
-
-
-def predicted_speedup(run: Run, costs: Costs) -> float:
-  """Theorem 3.8 with the run's per-position acceptance, the measured costs and the prefill.
-
-  Tokens per iteration ``E = 1 + sum_i prod_{j<=i} alpha_j`` (measured ``alpha_i``); an
-  iteration costs ``gamma`` draft steps, one verification call and the verification
-  itself; a plain step costs one target step and one sample. Both runs share the
-  prefill, which also yields the first token:
-
-    ``(prefill + (N-1)(step + sample)) / (prefill + (N-1)/E (gamma draft + verify_call + verify))``.
-  """
-  n = max(run.new_tokens - 1, 0)
-  prefill = costs.prefill[run.prompt]
-  plain = prefill + n * (costs.target_step + costs.sample)
-  draft = run.draft.partition("+")[0]
-  if draft.endswith("-adaptive"):  # proposals vary: the cost model on the run's own counts
-    policy = adaptive_policy(costs, draft.removesuffix("-adaptive"), run.gamma)
-    unit = costs.target_step + costs.sample
-    iterations = max(run.target_calls - 1, 1)
-    spent = iterations * unit * (1 + policy.fixed_cost) + run.proposals * unit * (
-      policy.draft_cost + policy.verify_cost)
-    return plain / (prefill + spent)
-  tokens_per_iteration = float(expected_tokens_per_position(jnp.asarray(run.alphas)))
-  iteration = (costs.draft_sync[draft] + (run.gamma - 1) * costs.draft_step[draft]
-               + costs.target_verify[run.gamma] + costs.verify[run.gamma])
-  return plain / (prefill + n / tokens_per_iteration * iteration)
 
 
 def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
@@ -499,7 +321,8 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
   print("measuring the cost of each piece of a step ...", file=out, flush=True)
   most = max(gamma or 0, *DEFAULT_GAMMA.values())
   costs = measure_costs(setup, gamma=gamma, prompt_lengths=lengths,
-                        max_len=max(lengths.values()) + max_new_tokens + most)
+                        max_len=max(lengths.values()) + max_new_tokens + most,
+                        cut_prompt=prompts.get("open-ended", next(iter(prompts.values()))))
   setup.policies = {d: adaptive_policy(costs, d, draft_gamma(d, gamma)) for d in costs.draft_step}
   if show_text and drafts:
     for name, text in prompts.items():
