@@ -121,6 +121,32 @@ def test_nan_logits_are_reported_by_every_loop(name, temperature):
   np.testing.assert_array_equal(clean.error, 0)
 
 
+def _nan_from(model: Model, position: int) -> Model:
+  """``model`` whose logits are NaN at every position from ``position`` on."""
+
+  def apply(params, tokens, positions, cache):
+    logits, cache = model.apply(params, tokens, positions, cache)
+    return jnp.where((positions >= position)[..., None], jnp.nan, logits), cache
+
+  def tree_apply(params, tokens, positions, cache, start, nodes, mask):
+    logits, cache = model.tree_apply(params, tokens, positions, cache, start, nodes, mask)
+    return jnp.where((positions >= position)[..., None], jnp.nan, logits), cache
+
+  return model._replace(apply=apply, tree_apply=tree_apply, name="broken later")
+
+
+@pytest.mark.parametrize("name", ["speculative", "tree"])
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(0.8, top_k=5, top_p=0.9)],
+                         ids=["greedy", "top-k-top-p"])
+def test_nan_logits_in_a_verification_step_are_reported(name, params):
+  """The prefill is fine, the target's rows turn NaN in the first verification call: the
+  verifier reports them, on processed rows (greedy) and on lazily read ones (top-k, top-p)."""
+  out = _loops(_nan_from(TARGET, 5))[name](PROMPT, LENGTHS, jax.random.key(0),
+                                           max_new_tokens=6, params=params)
+  assert int(out.error[0]) & ErrorCode.NONFINITE, int(out.error[0])
+  assert ((np.asarray(out.tokens) >= -1) & (np.asarray(out.tokens) < V)).all()
+
+
 # --- greedy rows are checked like sampled ones ----------------------------------------------------
 
 
