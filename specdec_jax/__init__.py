@@ -49,7 +49,9 @@ from specdec_jax.decoding import FeatureDraft
 from specdec_jax.decoding import GenerateResult
 from specdec_jax.decoding import PromptLookup
 from specdec_jax.decoding import SpeculativeResult
+from specdec_jax.decoding import TreePlan
 from specdec_jax.decoding import generate
+from specdec_jax.decoding import plan_tree
 from specdec_jax.decoding import speculative_generate
 from specdec_jax.decoding import tree_speculative_generate
 from specdec_jax.models.protocol import Model
@@ -71,6 +73,7 @@ __all__ = (
   "PromptLookup",
   "SamplingParams",
   "SpeculativeResult",
+  "TreePlan",
   "TreeVerifyResult",
   "UniformStream",
   "VerifyResult",
@@ -83,6 +86,7 @@ __all__ = (
   "generate",
   "packed_tree_verify",
   "packed_verify",
+  "plan_tree",
   "process_logits",
   "reference",
   "sample",

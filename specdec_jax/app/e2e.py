@@ -51,6 +51,7 @@ from specdec_jax import SamplingParams
 from specdec_jax import generate
 from specdec_jax import speculative_generate
 from specdec_jax import tree_speculative_generate
+from specdec_jax.app import e2e_tree
 from specdec_jax.app import smollm2
 from specdec_jax.app.e2e_costs import DEFAULT_GAMMA
 from specdec_jax.app.e2e_costs import Costs
@@ -79,8 +80,10 @@ PROMPTS = {
 #: Drafts of the end-to-end runs; ``-adaptive``: the same draft with
 #: :class:`~specdec_jax.decoding.AdaptiveSpeculation` from the measured costs; ``+tree``: the
 #: same draft building a top-k tree of :data:`DEFAULT_TREE` (``--verifier tree`` adds one per
-#: draft).
-DRAFTS = ("lookup", "lookup-adaptive", "eagle", "eagle-adaptive", "eagle+tree", "skip", "early")
+#: draft); ``+sized``: the tree :func:`~specdec_jax.decoding.plan_tree` sizes from this machine's
+#: measured costs and the draft's calibrated acceptance (:mod:`specdec_jax.app.e2e_tree`).
+DRAFTS = ("lookup", "lookup-adaptive", "eagle", "eagle-adaptive", "eagle+tree", "eagle+sized",
+          "skip", "early")
 
 #: The draft tree of ``--verifier tree`` per draft unless ``--tree`` says otherwise (candidates
 #: per node at each depth). Layer drafts: 2 after the root, 2 after each of those, then one more
@@ -110,6 +113,8 @@ class Run:
   tokens_per_call: float = 1.0
   seed: int = 0
   proposals: int = 0
+  iteration_ms: float = 0.0  # eagle+sized: the planned cost of an iteration, and of a plain
+  plain_ms: float = 0.0  # decoding step in the same units (its prediction)
 
 
 def draft_tree(draft: str, tree: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -147,6 +152,7 @@ class Setup:
     except FileNotFoundError as err:  # not trained yet: the eagle rows are left out
       print(f"  note: {err}", file=sys.stderr)
     self.policies: dict[str, AdaptiveSpeculation] = {}
+    self.sized: dict[float, e2e_tree.Sized] = {}  # eagle+sized, by temperature (run_suite)
 
   def has(self, draft: str) -> bool:
     """Whether a draft name (``-adaptive`` suffix and ``+verifier`` included) is available."""
@@ -174,8 +180,13 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
     def call():
       return generate(setup.target, prompt, lengths, key, max_new_tokens=max_new_tokens,
                       params=params, eos_id=eos)
-  elif verifier == "tree":
-    shape = DraftTree.from_branching(draft_tree(base, tree))
+  elif verifier == "sized" and setup.sized[temperature].kind != "tree":  # plain or a chain
+    return _make_call(setup, prompt_text, "plain" if setup.sized[temperature].kind == "plain"
+                      else base, gamma=setup.sized[temperature].gamma, temperature=temperature,
+                      max_new_tokens=max_new_tokens, seed=seed, verifier="token")
+  elif verifier in ("tree", "sized"):
+    shape = (setup.sized[temperature].tree if verifier == "sized"
+             else DraftTree.from_branching(draft_tree(base, tree)))
 
     def call():
       return tree_speculative_generate(setup.target, setup.drafts[base], prompt, lengths, key,
@@ -199,7 +210,7 @@ def _to_run(setup: Setup, result, prompt_len: int, *, prompt: str, draft: str,
   stats = result.stats
   run.target_calls = int(stats.target_calls)
   run.draft_calls = int(stats.draft_calls)
-  if draft != "plain":
+  if draft != "plain" and np.asarray(stats.proposed_at).shape[-1]:  # not plain decoding
     run.alphas = conditional_acceptance(np.asarray(stats.proposed_at[0]),
                                         np.asarray(stats.accepted_at[0]))
     run.tokens_per_call = float(stats.tokens_per_call[0])
@@ -236,13 +247,28 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
       start = time.perf_counter()
       results[name] = jax.block_until_ready(calls[name]())
       times[name].append(time.perf_counter() - start)
-  return [_to_run(setup, results[name], prompt_len, prompt=prompt_name, draft=name,
-                  temperature=temperature,
-                  gamma=len(draft_tree(name, tree)) if name.endswith("+tree") else (
-                    0 if name == "plain" else draft_gamma(name, gamma)),
+  runs = [_to_run(setup, results[name], prompt_len, prompt=prompt_name, draft=name,
+                  temperature=temperature, gamma=_run_gamma(setup, name, gamma, tree, temperature),
                   seconds=statistics.median(times[name]),
                   compile_seconds=max(compile_s[name] - statistics.median(times[name]), 0.0))
           for name in variants]
+  for run in runs:
+    if run.draft.endswith("+sized"):
+      choice = setup.sized[temperature]
+      run.iteration_ms, run.plain_ms = choice.cost_ms, choice.plain_ms
+  return runs
+
+
+def _run_gamma(setup: Setup, name: str, gamma: int | None, tree: tuple[int, ...] | None,
+               temperature: float) -> int:
+  """The table's gamma: proposals per iteration, or a tree's depth (0: plain decoding)."""
+  if name == "plain":
+    return 0
+  if name.endswith("+tree"):
+    return len(draft_tree(name, tree))
+  if name.endswith("+sized"):
+    return setup.sized[temperature].gamma
+  return draft_gamma(name, gamma)
 
 
 def conditional_acceptance(proposed_at: np.ndarray, accepted_at: np.ndarray) -> tuple[float, ...]:
@@ -272,6 +298,8 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
       base_rate = base.new_tokens / base.seconds if base else float("nan")
       speed = f"{tok_s / base_rate:.2f}x"
       pred = "" if r.draft.endswith("+tree") else f"{predicted_speedup(r, costs):.2f}x"
+      if r.draft.endswith("+sized") and not r.alphas:
+        pred = "1.00x"  # plain decoding was chosen
       acc = " ".join(f"{a:.2f}" for a in r.alphas)
     rows.append((r.prompt, f"{r.temperature:g}", r.draft, str(r.gamma) if r.alphas else "",
                  str(r.new_tokens), f"{tok_s:.1f}", speed, pred, f"{r.tokens_per_call:.2f}",
@@ -294,6 +322,10 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
   print("  speed-up: this run's tokens/s over plain decoding's. predicted: Leviathan et al. "
         "Theorem 3.8 from the measured\n  acceptance by position (alpha_i) and the costs above, "
         "prefill included (see specdec_jax.app.e2e.predicted_speedup).", file=out)
+  if any(r.draft.endswith("+sized") for r in runs):
+    print("  +sized: the best predicted of plain decoding, the chain and the tree plan_tree sized "
+          "from the measured cost curves\n  and the draft's calibrated acceptance (see above); "
+          "predicted from its acceptance by depth at the planned cost.", file=out)
   if any(r.draft.endswith("+tree") for r in runs):
     print("  +tree: a top-k draft tree verified in one target call (tree attention); gamma is "
           "its depth and the acceptance\n  is by depth. Not predicted: the chain formula does "
@@ -324,6 +356,15 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
                         max_len=max(lengths.values()) + max_new_tokens + most,
                         cut_prompt=prompts.get("open-ended", next(iter(prompts.values()))))
   setup.policies = {d: adaptive_policy(costs, d, draft_gamma(d, gamma)) for d in costs.draft_step}
+  if any(d.endswith("+sized") for d in drafts):
+    curves = e2e_tree.measure_curves(setup)
+    print("  target call in a loop (ms) on k tokens, chain / tree attention: " + ", ".join(
+      f"{k}: {curves['chain'][k]:.1f} / {curves['tree'][k]:.1f}" for k in e2e_tree.CURVE_TOKENS),
+      file=out, flush=True)
+    for temperature in temperatures:
+      choice, alphas, table = e2e_tree.tree_plan(setup, costs, curves, temperature, seed=seed)
+      setup.sized[temperature] = choice
+      print(e2e_tree.describe(choice, alphas, table, temperature), file=out, flush=True)
   if show_text and drafts:
     for name, text in prompts.items():
       stream_generation(setup, name, text, drafts[0], gamma=draft_gamma(drafts[0], gamma),

@@ -198,7 +198,8 @@ def predicted_speedup(run: Run, costs: Costs) -> float:
   """
   n = max(run.new_tokens - 1, 0)
   prefill = costs.prefill[run.prompt]
-  plain = prefill + n * (costs.target_step + costs.sample)
+  # eagle+sized: its plan's own units (the calls measured in a loop), plain decoding included
+  plain = prefill + n * (run.plain_ms or costs.target_step + costs.sample)
   draft = run.draft.partition("+")[0]
   if draft.endswith("-adaptive"):  # proposals vary: the cost model on the run's own counts
     policy = adaptive_policy(costs, draft.removesuffix("-adaptive"), run.gamma)
@@ -208,6 +209,9 @@ def predicted_speedup(run: Run, costs: Costs) -> float:
       policy.draft_cost + policy.verify_cost)
     return plain / (prefill + spent)
   tokens_per_iteration = float(expected_tokens_per_position(jnp.asarray(run.alphas)))
-  iteration = (costs.draft_sync[draft] + (run.gamma - 1) * costs.draft_step[draft]
-               + costs.target_verify[run.gamma] + costs.verify[run.gamma])
+  if run.iteration_ms:  # eagle+sized: its acceptance by depth at the planned cost
+    iteration = run.iteration_ms
+  else:
+    iteration = (costs.draft_sync[draft] + (run.gamma - 1) * costs.draft_step[draft]
+                 + costs.target_verify[run.gamma] + costs.verify[run.gamma])
   return plain / (prefill + n / tokens_per_iteration * iteration)

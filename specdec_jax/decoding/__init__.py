@@ -3,7 +3,8 @@
 The package, one module per concern: ``types`` (results and loop state), ``args`` (host-side
 argument checks), ``common`` (the traced pieces every loop shares), ``plain`` (:func:`generate`),
 ``drafts``, ``chain`` and ``chain_loop`` (:func:`speculative_generate`, its drafts and its traced
-loop), ``draft_tree`` and ``tree`` (:class:`DraftTree` and :func:`tree_speculative_generate`).
+loop), ``draft_tree``, ``tree`` and ``tree_plan`` (:class:`DraftTree`,
+:func:`tree_speculative_generate` and :func:`plan_tree`).
 
 Both loops run a whole batch inside one compiled ``jax.lax.while_loop`` with fixed
 shapes. Every row has its own length (ragged batches), its own keys and its own stop
@@ -21,7 +22,8 @@ cache slot per position, so rolling back rejected proposals is just moving a len
   :class:`AdaptiveSpeculation` each row chooses how many to propose from its past acceptance.
 * :func:`tree_speculative_generate`: a draft model proposes a :class:`DraftTree` of
   candidates, the target scores every node in one call with tree attention and
-  :func:`~specdec_jax.tree_verify` keeps one path plus a token of its own.
+  :func:`~specdec_jax.tree_verify` keeps one path plus a token of its own;
+  :func:`plan_tree` sizes the tree from measured acceptance and the machine's cost curve.
 """
 
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
@@ -35,6 +37,8 @@ from specdec_jax.decoding.plain import generate
 from specdec_jax.decoding.tree import TREE_LAWS
 from specdec_jax.decoding.tree import DraftTree
 from specdec_jax.decoding.tree import tree_speculative_generate
+from specdec_jax.decoding.tree_plan import TreePlan
+from specdec_jax.decoding.tree_plan import plan_tree
 from specdec_jax.decoding.types import DecodeStats
 from specdec_jax.decoding.types import GenerateResult
 from specdec_jax.decoding.types import SpeculativeResult
@@ -50,8 +54,10 @@ __all__ = (
   "GenerateResult",
   "PromptLookup",
   "SpeculativeResult",
+  "TreePlan",
   "Verifier",
   "generate",
+  "plan_tree",
   "speculative_generate",
   "tree_speculative_generate",
 )

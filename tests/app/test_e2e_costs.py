@@ -61,3 +61,21 @@ def test_the_report_gives_the_cost_of_verifying_rows_a_request_cuts():
   e2e.report([_run("plain", alphas=()), _run("lookup", alphas=(0.5, 0.5, 0.5, 0.5))], costs,
              out=out)
   assert "(gamma 4, real rows): top-k 50 0.45 (rows processed first: 1.90)" in out.getvalue()
+
+
+def test_the_sized_tree_costs_come_from_the_measured_curve():
+  from specdec_jax.app import e2e_tree
+
+  calls = e2e_tree.call_costs({1: 19.0, 3: 20.0, 5: 23.0}, verify_ms=0.4, sample_ms=0.2)
+  # [0] a plain step; [n] a call on 1 + n tokens (linear between measured widths) + verify.
+  assert calls.tolist() == pytest.approx([19.2, 19.9, 20.4, 21.9, 23.4])
+  # A spike (a call on 2 tokens measured above the call on 3) is cut to the later measurement.
+  spiky = e2e_tree.call_costs({1: 60.0, 2: 50.0, 3: 20.0}, verify_ms=0.0, sample_ms=0.0)
+  assert spiky.tolist() == pytest.approx([20.0, 20.0, 20.0])
+
+
+def test_predicted_speedup_of_a_sized_tree_uses_the_plans_cost():
+  # Both in the plan's units (calls measured in a loop), not the isolated target step's.
+  run = _run("eagle+sized", alphas=(1.0, 0.5), gamma=2, iteration_ms=25.0, plain_ms=15.0)
+  plain = 60.0 + 100 * 15.0
+  assert e2e.predicted_speedup(run, COSTS) == pytest.approx(plain / (60.0 + 100 / 2.5 * 25.0))
