@@ -56,6 +56,7 @@ from specdec_jax.app import smollm2
 from specdec_jax.app.e2e_costs import DEFAULT_GAMMA
 from specdec_jax.app.e2e_costs import Costs
 from specdec_jax.app.e2e_costs import adaptive_policy
+from specdec_jax.app.e2e_costs import conditional_acceptance
 from specdec_jax.app.e2e_costs import draft_gamma
 from specdec_jax.app.e2e_costs import measure_costs
 from specdec_jax.app.e2e_costs import predicted_speedup
@@ -269,18 +270,6 @@ def _run_gamma(setup: Setup, name: str, gamma: int | None, tree: tuple[int, ...]
   if name.endswith("+sized"):
     return setup.sized[temperature].gamma
   return draft_gamma(name, gamma)
-
-
-def conditional_acceptance(proposed_at: np.ndarray, accepted_at: np.ndarray) -> tuple[float, ...]:
-  """``alpha_i``: P(position ``i`` accepted | positions ``< i`` accepted), from loop counters.
-
-  ``accepted_at[i]`` counts steps that accepted position ``i`` (so also every earlier
-  one); the steps that reached position ``i`` are those that accepted ``i - 1`` (all
-  steps that proposed position 0 for ``i = 0``).
-  """
-  reached = np.concatenate([[proposed_at[0]], accepted_at[:-1]]).astype(np.float64)
-  reached = np.minimum(reached, proposed_at)  # proposals cut at the token budget
-  return tuple(float(a / r) if r else 0.0 for a, r in zip(accepted_at, reached, strict=True))
 
 
 def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:

@@ -215,3 +215,15 @@ def predicted_speedup(run: Run, costs: Costs) -> float:
     iteration = (costs.draft_sync[draft] + (run.gamma - 1) * costs.draft_step[draft]
                  + costs.target_verify[run.gamma] + costs.verify[run.gamma])
   return plain / (prefill + n / tokens_per_iteration * iteration)
+
+
+def conditional_acceptance(proposed_at: np.ndarray, accepted_at: np.ndarray) -> tuple[float, ...]:
+  """``alpha_i``: P(position ``i`` accepted | positions ``< i`` accepted), from loop counters.
+
+  ``accepted_at[i]`` counts steps that accepted position ``i`` (so also every earlier
+  one); the steps that reached position ``i`` are those that accepted ``i - 1`` (all
+  steps that proposed position 0 for ``i = 0``).
+  """
+  reached = np.concatenate([[proposed_at[0]], accepted_at[:-1]]).astype(np.float64)
+  reached = np.minimum(reached, proposed_at)  # proposals cut at the token budget
+  return tuple(float(a / r) if r else 0.0 for a, r in zip(accepted_at, reached, strict=True))

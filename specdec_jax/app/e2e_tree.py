@@ -24,6 +24,7 @@ from jax import lax
 from specdec_jax import SamplingParams
 from specdec_jax import process_logits
 from specdec_jax import speculative_generate
+from specdec_jax.app.e2e_costs import conditional_acceptance
 from specdec_jax.app.e2e_costs import timed
 from specdec_jax.decoding import DraftTree
 from specdec_jax.decoding import TreePlan
@@ -142,8 +143,6 @@ def tree_plan(setup: Any, costs: Any, curves: dict[str, dict[int, float]], tempe
   rank profile ``a0`` (teacher forcing on that run's text) scaled by depth as ``alpha_d`` falls
   (rows capped to sum 1). Each option is priced with its own loop's measured call curve.
   """
-  from specdec_jax.app.e2e import conditional_acceptance  # e2e imports this module
-
   ids = setup.encode(CALIBRATION_PROMPT)
   result = speculative_generate(
     setup.target, setup.drafts["eagle"], jnp.asarray([ids], jnp.int32),
