@@ -63,6 +63,15 @@ def branch(looped: bool, pred, true_fn: Callable, false_fn: Callable):
   return jax.tree.map(lambda t, f: jnp.where(pred, t, f), true_fn(), false_fn())
 
 
+def stacked_zeros(shape: jax.ShapeDtypeStruct, size: int) -> jax.Array:
+  """Zeros ``(size, *shape.shape)`` that vary over the mesh axes ``shape`` varies over (inside
+  ``shard_map``, as :func:`jax.eval_shape` reports them), so a loop can carry them."""
+  zeros = jnp.zeros((size, *shape.shape), shape.dtype)
+  mat = getattr(shape, "manual_axis_type", None)
+  varying = tuple(sorted(mat.varying)) if mat is not None else ()
+  return lax.pcast(zeros, varying, to="varying") if varying else zeros
+
+
 def per_sequence(body: Callable, arrays: Sequence[jax.Array], *scalars):
   """``body(readers, *scalars, looped=...)`` for one sequence, with a streaming batching rule.
 
@@ -88,11 +97,6 @@ def per_sequence(body: Callable, arrays: Sequence[jax.Array], *scalars):
   @batched_single.def_vmap
   def _rule(axis_size, in_batched, *args):
     axes = tuple(jax.tree.map(lambda b: 0 if b else None, b) for b in in_batched)
-    def unbatched(a, b):
-      return jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if b else a
-
-    out_batched = jax.tree.map(lambda _: True, jax.eval_shape(
-      single, *(jax.tree.map(unbatched, x, f) for x, f in zip(args, in_batched, strict=True))))
 
     def vectorised(*args):
       return jax.vmap(functools.partial(single, looped=False), in_axes=axes)(*args)
@@ -100,7 +104,8 @@ def per_sequence(body: Callable, arrays: Sequence[jax.Array], *scalars):
     leaves = [(leaf, b) for x, f in zip(args, in_batched, strict=True)
               for leaf, b in zip(jax.tree.leaves(x), jax.tree.leaves(f), strict=True)]
     if axis_size == 0 or any(b and explicitly_sharded_batch(leaf) for leaf, b in leaves):
-      return vectorised(*args), out_batched  # a loop over a sharded batch axis would gather it
+      out = vectorised(*args)  # a loop over a sharded batch axis would gather it
+      return out, jax.tree.map(lambda _: True, out)
 
     def looped(*args):
       def at(x, batched, i):
@@ -114,19 +119,19 @@ def per_sequence(body: Callable, arrays: Sequence[jax.Array], *scalars):
         rest = [at(x, b, i) for x, b in zip(args[n:], in_batched[n:], strict=True)]
         return body(readers, *rest, looped=True)
 
-      # The first sequence outside the loop: the loop state is built from its results, so it
-      # is typed like what the body writes (inside shard_map: the same varying mesh axes).
-      first = one(0)
-      init = jax.tree.map(
-        lambda r: lax.dynamic_update_index_in_dim(
-          jnp.broadcast_to(jnp.zeros_like(r)[None], (axis_size, *r.shape)), r, 0, 0), first)
+      # The loop state is typed like what the body writes (inside shard_map: the same varying
+      # mesh axes), from its abstract output: the body is staged once, inside the loop (not
+      # also for a first sequence outside it, which made the compiled program a third larger).
+      init = jax.tree.map(lambda s: stacked_zeros(s, axis_size),
+                          jax.eval_shape(one, jnp.int32(0)))
 
       def step(i, out):
         return jax.tree.map(lambda o, r: lax.dynamic_update_index_in_dim(o, r, i, 0),
                             out, one(i))
 
-      return lax.fori_loop(1, axis_size, step, init)
+      return lax.fori_loop(0, axis_size, step, init)
 
-    return lax.platform_dependent(*args, cpu=looped, default=vectorised), out_batched
+    out = lax.platform_dependent(*args, cpu=looped, default=vectorised)
+    return out, jax.tree.map(lambda _: True, out)  # every output is batched
 
   return batched_single(*arrays, *scalars)
