@@ -170,20 +170,30 @@ def feature_call_time(draft, width: int, max_len: int, repeats: int, start: int 
   return seconds * 1e3
 
 
-def adaptive_policy(costs: Costs, draft: str, gamma: int) -> AdaptiveSpeculation:
+#: ``AdaptiveSpeculation.observe`` of the ``-adaptive`` drafts: 0, the measured constants. With 8
+#: (chunks of 8 iterations whose costs the loop follows) a side-by-side run on this machine was
+#: no better and sometimes worse (eagle open-ended greedy 0.84x against 1.21x): the chunk times
+#: are too noisy for the fit at batch 1 and 128 tokens.
+OBSERVE = 0
+
+
+def adaptive_policy(costs: Costs, draft: str, gamma: int,
+                    observe: int = OBSERVE) -> AdaptiveSpeculation:
   """The cost model of :class:`~specdec_jax.decoding.AdaptiveSpeculation` from measured costs.
 
   Unit: a plain decoding step (target step + sample). ``verify_cost``: each extra token of the
   target's call, ``(call on gamma + 1 - step) / gamma``; ``draft_cost``: a draft step;
   ``fixed_cost``: what speculating adds per iteration beyond those (verification instead of
-  plain sampling, and the draft's first call beyond one step).
+  plain sampling, and the draft's first call beyond one step). ``observe``: see
+  :data:`OBSERVE` (0: the constants only).
   """
   unit = costs.target_step + costs.sample
   per_token = max(costs.target_verify[gamma] - costs.target_step, 0.0) / gamma
   fixed = max(costs.verify[gamma] - costs.sample, 0.0) + max(
     costs.draft_sync[draft] - costs.draft_step[draft], 0.0)
   return AdaptiveSpeculation(draft_cost=costs.draft_step[draft] / unit,
-                             verify_cost=per_token / unit, fixed_cost=fixed / unit)
+                             verify_cost=per_token / unit, fixed_cost=fixed / unit,
+                             observe=observe)
 
 
 def predicted_speedup(run: Run, costs: Costs) -> float:

@@ -118,7 +118,11 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
     pad_id: static int written after each row's last token.
     adaptive: optional static :class:`~specdec_jax.decoding.AdaptiveSpeculation`, the cost
       model that chooses each row's proposals per iteration (``None``: always ``gamma``,
-      within the budget).
+      within the budget). With ``adaptive.observe = n > 0`` the loop runs in jitted chunks of
+      ``n`` iterations (``chunk_iterations`` then does not apply) that the host times, and the
+      choice follows the observed cost of an iteration by call width
+      (:class:`~specdec_jax.decoding.adaptive.CostFit`); it then needs the batch on this
+      process's devices and a call outside ``jax.jit``.
     on_tokens: optional host function ``on_tokens(tokens (B, max_len), lengths (B,))`` (NumPy
       arrays) for streaming: the loop then runs in jitted chunks of ``chunk_iterations``
       iterations with its state carried between them, and calls it after each chunk. The
@@ -197,15 +201,16 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   static = dict(target=target_fns, draft=draft_static, verifier=verifier, gamma=int(gamma),
                 max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
                 pad_id=check_pad_id(name, pad_id), adaptive=adaptive)
-  if on_tokens is None:
+  observing = adaptive is not None and adaptive.observe > 0
+  if on_tokens is None and not observing:
     return run_loop(speculative_loop, SpeculativeResult, args, _BATCH_ARGS, static,
                     prompt_index=2)
-  if not callable(on_tokens):
+  if on_tokens is not None and not callable(on_tokens):
     raise TypeError(f"{name}: `on_tokens` must be a function or None, got {on_tokens!r}.")
   if not isinstance(chunk_iterations, int | np.integer) or chunk_iterations < 1:
     raise ValueError(f"{name}: `chunk_iterations` must be an int >= 1, got "
                      f"{chunk_iterations!r} instead.")
   # The loop never runs more than max_new_tokens + 1 iterations: a longer chunk is one chunk
   # (and 10**12 would not fit the int32 counter).
-  return streamed_loop(args, static, on_tokens,
-                       min(int(chunk_iterations), int(max_new_tokens) + 1))
+  chunk = adaptive.observe if observing else int(chunk_iterations)
+  return streamed_loop(args, static, on_tokens, min(chunk, int(max_new_tokens) + 1))

@@ -21,7 +21,9 @@ from specdec_jax._rules import CHAIN_RULES
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
+from specdec_jax.decoding.adaptive import CostFit
 from specdec_jax.decoding.adaptive import choose_num_draft
+from specdec_jax.decoding.adaptive import cost_curve
 from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.common import after_verify
 from specdec_jax.decoding.common import batch_rows
@@ -92,7 +94,8 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
     at = jnp.zeros((batch, gamma), jnp.int32)
     return SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, draft_calls,
                      (prompt_lengths < common.stop_len).astype(jnp.int32), counts, counts, at, at,
-                     error | first_error, jnp.zeros((batch, 2), jnp.float32))
+                     error | first_error, jnp.zeros((batch, 2), jnp.float32),
+                     None if adaptive is None else cost_curve(adaptive, gamma))
 
   def cond(s: SpecState):
     return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
@@ -103,7 +106,7 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
     # Never propose past the budget: then the verifier emits at most `stop_len - L` tokens.
     budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, gamma), 0)
     want = budget if adaptive is None else jnp.minimum(
-      budget, choose_num_draft(adaptive, s.adapt, gamma=gamma))
+      budget, choose_num_draft(adaptive, s.adapt, gamma=gamma, costs=s.costs))
     step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
     steps = gamma if adaptive is None else jnp.maximum(jnp.max(want), 1)
     if is_model:
@@ -231,11 +234,21 @@ def _start(*args, **static) -> SpecState:
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "iterations"))
 def _chunk(state: SpecState, *args, iterations: int, **static):
-  """At most ``iterations`` more loop iterations from ``state``; and whether rows remain."""
+  """At most ``iterations`` more loop iterations from ``state``; whether rows remain; and
+  ``(gamma + 1,)`` int32, how many of the iterations called the target at each width ``k``
+  (the batch's largest proposal count: ``k + 1`` tokens scored)."""
   _, _, cond, body = _loop(*args, **static)
-  state, _ = lax.while_loop(lambda c: cond(c[0]) & (c[1] < iterations),
-                            lambda c: (body(c[0]), c[1] + 1), (state, jnp.int32(0)))
-  return state, cond(state)
+  gamma = static["gamma"]
+
+  def step(c):
+    state, i, widths = c
+    new = body(state)
+    k = jnp.max(jnp.sum(new.proposed_at - state.proposed_at, axis=1))
+    return new, i + 1, widths.at[jnp.clip(k, 0, gamma)].add(1)
+
+  state, _, widths = lax.while_loop(lambda c: cond(c[0]) & (c[1] < iterations), step,
+                                    (state, jnp.int32(0), jnp.zeros((gamma + 1,), jnp.int32)))
+  return state, cond(state), widths
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -243,17 +256,42 @@ def _finish(state: SpecState, *args, **static) -> SpeculativeResult:
   return speculative_result(state, _loop(*args, **static)[0])
 
 
-def streamed_loop(args, static, on_tokens: Callable, iterations: int) -> SpeculativeResult:
+def streamed_loop(args, static, on_tokens: Callable | None, iterations: int) -> SpeculativeResult:
   """Run the loop in jitted chunks of ``iterations``, calling ``on_tokens(tokens, lengths)``
-  (host NumPy arrays) after each; the state is carried, so the result is the one-shot loop's."""
+  (host NumPy arrays) after each when given; the state is carried, so the result is the
+  one-shot loop's.
+
+  With ``static["adaptive"].observe > 0`` the host also times each chunk (the first, which
+  compiles, excepted) and hands the loop the cost table :class:`CostFit` refits from it.
+  """
+  name = "speculative_generate"
+  policy = static["adaptive"]
+  observing = policy is not None and policy.observe > 0
+  why = "`on_tokens` hands the host the tokens" if not observing else (
+    "`adaptive.observe` times the loop's chunks on the host")
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+    raise ValueError(f"{name}: {why} after each chunk, so it runs outside jax.jit; got traced "
+                     "inputs (call it outside jit, or leave that option out).")
   state = _start(*args, **static)
   if not state.tokens.is_fully_addressable:
-    raise ValueError("speculative_generate: `on_tokens` hands the host the tokens after each "
-                     "chunk, so the batch must live on this process's devices; got a global "
-                     "batch that spans several processes (stream per process instead).")
-  running = True
+    raise ValueError(f"{name}: {why} after each chunk, so the batch must live on this "
+                     "process's devices; got a global batch that spans several processes "
+                     "(run it per process instead).")
+  fit = CostFit(policy, static["gamma"]) if observing else None
+  running, first = True, True
   while running:
-    state, running = _chunk(state, *args, iterations=iterations, **static)
-    tokens, lengths, running = jax.device_get((state.tokens, state.lengths, running))
-    on_tokens(tokens, lengths)
+    if fit is not None:
+      fit.start()
+    state, running, widths = _chunk(state, *args, iterations=iterations, **static)
+    tokens, lengths, running, widths = jax.device_get((state.tokens, state.lengths, running,
+                                                       widths))
+    if fit is not None:
+      if not first:  # the first chunk's time is mostly compilation
+        fit.stop(widths)
+        # placed as the loop's own costs are (committed or not), or _chunk would compile again
+        placement = state.costs.sharding if state.costs.committed else None
+        state = state._replace(costs=jax.device_put(fit.next_table(), placement))
+      first = False
+    if on_tokens is not None:
+      on_tokens(tokens, lengths)
   return _finish(state, *args, **static)

@@ -236,6 +236,7 @@ def after_verify(s: SpecState, result, common: Common, *, active, target_cache, 
     accepted_at=s.accepted_at + (at < accepted[:, None]).astype(jnp.int32),
     error=s.error | jnp.where(active, result.error, 0),
     adapt=s.adapt,
+    costs=s.costs,
   )
 
 

@@ -152,6 +152,8 @@ class SpecState(NamedTuple):
     error: int32 ``(B,)``.
     adapt: float32 ``(B, 2)`` decayed accepted / rejected counts of adaptive speculation
       (:mod:`specdec_jax.decoding.adaptive`; zeros when it is off).
+    costs: float32 ``(gamma + 1,)`` adaptive speculation's cost of an iteration by call width
+      (the host replaces it between chunks when it observes costs), or None when it is off.
   """
 
   tokens: jax.Array
@@ -168,3 +170,4 @@ class SpecState(NamedTuple):
   accepted_at: jax.Array
   error: jax.Array
   adapt: Any = None
+  costs: Any = None
