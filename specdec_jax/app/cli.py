@@ -24,8 +24,10 @@ from collections.abc import Sequence
 
 from specdec_jax.app import demo
 from specdec_jax.app import e2e
+from specdec_jax.app import simulate
 from specdec_jax.app import smollm2
 from specdec_jax.app.argtypes import int_at_least
+from specdec_jax.app.tables import banner
 
 #: argparse types: an integer ``>= 1`` and ``>= 0``.
 positive_int = int_at_least(1)
@@ -100,7 +102,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def simulate_bytes(trials: int, gamma: int, vocab: int) -> int:
-  """An upper estimate of the memory ``simulate`` (:func:`.demo.run_simulate`) needs, in bytes.
+  """An upper estimate of the memory ``simulate`` (:func:`.simulate.run_simulate`) needs, in bytes.
 
   The rows ``p`` ``(gamma + 1, V)`` and ``q`` ``(gamma, V)`` are made in float64 with
   temporaries, then kept in float32 and float64 and copied to the device: 64 bytes per entry of
@@ -219,8 +221,8 @@ def run_e2e(args: argparse.Namespace) -> int:
 def run_all(args: argparse.Namespace) -> int:
   """No subcommand: ``examples``, ``simulate``, then the real model if it is installed."""
   code = demo.run_examples(args)
-  code = max(code, demo.run_simulate(defaults(add_simulate_arguments)))
-  demo.banner("Speculative decoding end to end: SmolLM2-135M-Instruct on this CPU")
+  code = max(code, simulate.run_simulate(defaults(add_simulate_arguments)))
+  banner("Speculative decoding end to end: SmolLM2-135M-Instruct on this CPU")
   try:
     smollm2.find_smollm2_gguf()
   except FileNotFoundError as err:
@@ -241,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
   commands: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "examples": ("walk both worked examples of the rule step by step", demo.run_examples),
     "simulate": ("run jax.vmap(verify) over many random steps and compare with the theory",
-                 demo.run_simulate),
+                 simulate.run_simulate),
     "generate": ("plain vs speculative decoding of your prompt with SmolLM2-135M-Instruct",
                  run_generate),
     "bench-e2e": ("time plain vs speculative decoding on the built-in prompts (SmolLM2)",

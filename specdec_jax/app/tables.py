@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -44,3 +45,23 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, align:
   if rule:
     lines.append(" " * indent + "  ".join("-" * w for w in widths))
   return "\n".join(lines + [line(row) for row in rows])
+
+
+def plain_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "",
+                indent: int = 4) -> str:
+  """:func:`format_table` as the demo prints it: plain text, no rule, indented."""
+  return format_table(header, rows, align=align, rule=False, indent=indent)
+
+
+def num(x: float, digits: int = 4) -> str:
+  """A probability-like number with a fixed number of decimals (``inf`` spelled out)."""
+  if math.isinf(x):
+    return "inf"
+  return f"{x:.{digits}f}"
+
+
+def banner(title: str) -> None:
+  """Print ``title`` underlined, after a blank line."""
+  print()
+  print(title)
+  print("=" * len(title))

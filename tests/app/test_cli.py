@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from specdec_jax.app import cli
-from specdec_jax.app import demo
 from specdec_jax.app import e2e
+from specdec_jax.app import simulate
 from specdec_jax.app import smollm2
 from specdec_jax.app.cli import main
 
@@ -176,7 +176,7 @@ def test_supported_e2e_combinations_reach_the_model(argv, monkeypatch):
    "argument --vocab: expected an integer in [1, 2**31) (token ids are int32), got 2147483648"),
 ])
 def test_simulate_sizes_that_cannot_fit_are_refused(argv, message, capsys, monkeypatch):
-  monkeypatch.setattr(demo, "run_simulate", _never)  # nothing is allocated
+  monkeypatch.setattr(simulate, "run_simulate", _never)  # nothing is allocated
   code, err = _cli(argv, capsys)
   assert code == 2
   lines = err.strip().splitlines()
