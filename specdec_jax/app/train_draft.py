@@ -33,18 +33,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import SamplingParams
-from specdec_jax import generate
 from specdec_jax.app import smollm2
 from specdec_jax.app.argtypes import int_at_least
+from specdec_jax.app.draft_training import Corpus
+from specdec_jax.app.draft_training import frequent_vocab
+from specdec_jax.app.draft_training import generate_corpus
+from specdec_jax.app.draft_training import say
+from specdec_jax.app.draft_training import train_eagle
 from specdec_jax.models import eagle
 from specdec_jax.models.llama import LlamaConfig
-from specdec_jax.models.llama import LlamaParams
-from specdec_jax.models.llama import init_cache
-from specdec_jax.models.llama import llama_apply_features
 from specdec_jax.models.llama import make_model
 
 #: Instructions the target answers to make the corpus (varied tasks; no benchmark prompt).
@@ -101,172 +100,6 @@ TRAIN_PROMPTS = (
 
 #: The draft vocabulary size (the head reads this many of the target's 49,152 output rows).
 DRAFT_VOCAB = 8192
-
-
-
-def _say(progress: bool, message: str) -> None:
-  if progress:
-    print(message, file=sys.stderr, flush=True)
-
-
-def generate_corpus(target, prompts: Sequence[Sequence[int]], *, temperatures: Sequence[float],
-                    max_new_tokens: int, batch: int, eos_id: int | None, seed: int = 0,
-                    progress: bool = True) -> list[np.ndarray]:
-  """The target's own answers: one sequence (prompt + answer) per prompt and temperature."""
-  sequences = []
-  jobs = [(list(p), t) for t in temperatures for p in prompts]
-  start = time.perf_counter()
-  for i in range(0, len(jobs), batch):
-    chunk = jobs[i: i + batch]
-    chunk += [chunk[-1]] * (batch - len(chunk))  # one compiled shape
-    width = max(len(p) for p, _ in chunk)
-    prompt = np.zeros((batch, width), np.int32)
-    for b, (p, _) in enumerate(chunk):
-      prompt[b, :len(p)] = p
-    lengths = np.array([len(p) for p, _ in chunk], np.int32)
-    params = SamplingParams(temperature=jnp.asarray([t for _, t in chunk], jnp.float32))
-    out = generate(target, jnp.asarray(prompt), jnp.asarray(lengths), jax.random.key(seed + i),
-                   max_new_tokens=max_new_tokens, params=params, eos_id=eos_id,
-                   max_len=width + max_new_tokens)
-    tokens, total = np.asarray(out.tokens), np.asarray(out.lengths)
-    for b in range(min(batch, len(jobs) - i)):
-      sequences.append(tokens[b, :total[b]].copy())
-    _say(progress, f"  corpus: {min(i + batch, len(jobs))}/{len(jobs)} answers, "
-                   f"{sum(map(len, sequences))} tokens, {time.perf_counter() - start:.0f} s")
-  return sequences
-
-
-def frequent_vocab(sequences: Sequence[np.ndarray], size: int, vocab: int,
-                   always: Sequence[int] = ()) -> np.ndarray:
-  """The ``size`` most frequent ids of the corpus (``always`` included), sorted by id."""
-  counts = np.bincount(np.concatenate(list(sequences)), minlength=vocab).astype(np.float64)
-  counts[list(always)] = np.inf
-  order = np.argsort(-counts, kind="stable")[:min(size, vocab)]
-  return np.sort(order).astype(np.int32)
-
-
-class Corpus:
-  """Padded training arrays: ``tokens (N, T)``, ``mask (N, T)``, target ``features (N, T, D)``
-  and ``lse (N, T)`` (the log-normaliser of the target's full softmax at each position)."""
-
-  def __init__(self, params: LlamaParams, config: LlamaConfig, sequences: Sequence[np.ndarray],
-               *, length: int, batch: int = 8, progress: bool = True):
-    n = len(sequences)
-    self.tokens = np.zeros((n, length), np.int32)
-    self.mask = np.zeros((n, length), bool)
-    for i, s in enumerate(sequences):
-      s = s[:length]
-      self.tokens[i, :len(s)] = s
-      self.mask[i, :len(s)] = True
-    feats, lses = [], []
-    forward = jax.jit(lambda p, t, c: llama_apply_features(p, t, jnp.broadcast_to(
-      jnp.arange(length, dtype=jnp.int32), t.shape), c, config=config))
-    start = time.perf_counter()
-    for i in range(0, n, batch):
-      rows = self.tokens[i: i + batch]
-      pad = batch - rows.shape[0]
-      rows = np.pad(rows, ((0, pad), (0, 0)))
-      logits, f, _ = forward(params, jnp.asarray(rows), init_cache(config, batch, length))
-      feats.append(np.asarray(f)[:batch - pad])
-      lses.append(np.asarray(jax.nn.logsumexp(logits, axis=-1))[:batch - pad])
-      _say(progress, f"  features: {min(i + batch, n)}/{n} sequences, "
-                     f"{time.perf_counter() - start:.0f} s")
-    self.features = np.concatenate(feats)
-    self.lse = np.concatenate(lses)
-
-
-def draft_loss(weights: eagle.EagleWeights, embed, head, batch, noise_key, *,
-               config: LlamaConfig, noise: float = 0.05, unrolled_weight: float = 0.5,
-               feature_weight: float = 0.1):
-  """EAGLE's losses on one batch, over a teacher-forced pass and one unrolled pass.
-
-  ``batch = (tokens (B, T), mask (B, T), features (B, T, D), lse (B, T))``. Position ``t``
-  reads ``x[t]`` and ``f[t - 1]`` (zeros at 0) and is scored against the target's next-token
-  probabilities at ``t`` on the draft vocabulary (cross-entropy) and against ``f[t]`` (smooth
-  L1). Returns ``(loss, cross-entropy of the first pass)``.
-  """
-  tokens, mask, feats, lse = batch
-  b, t = tokens.shape
-  layer = eagle.layer_config(config)
-  params = eagle.EagleParams(weights=weights, embed=embed, head=head)
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  target_p = jnp.exp(jnp.einsum("btd,kd->btk", feats, head) - lse[..., None])
-  valid = (mask & (jnp.arange(t) >= 1)[None]).astype(jnp.float32)
-  count = jnp.maximum(valid.sum(), 1.0)
-
-  def run(inputs):
-    cache = init_cache(layer, b, t, n_layers=1)
-    logits, g, _ = eagle.eagle_apply(params, tokens, inputs, positions, cache, config=layer)
-    ce = -(target_p * jax.nn.log_softmax(logits, axis=-1)).sum(-1)
-    diff = jnp.abs(g - feats)
-    reg = jnp.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5).mean(-1)
-    return (ce * valid).sum() / count, (reg * valid).sum() / count, g
-
-  shifted = jnp.pad(feats, ((0, 0), (1, 0), (0, 0)))[:, :t]
-  scale = jnp.std(feats)
-  shifted = shifted + noise * scale * jax.random.uniform(noise_key, shifted.shape, minval=-1.0)
-  ce1, reg1, g1 = run(shifted)
-  ce2, reg2, _ = run(jnp.pad(g1, ((0, 0), (1, 0), (0, 0)))[:, :t])
-  loss = ce1 + feature_weight * reg1 + unrolled_weight * (ce2 + feature_weight * reg2)
-  return loss, ce1
-
-
-def learning_rate_schedule(steps: int, learning_rate: float):
-  """The optax schedule of :func:`train_eagle`: a linear warm-up from 0 over
-  ``min(100, steps // 10 + 1)`` steps, then a cosine decay to 5% by step ``steps``.
-
-  A run of one step has no warm-up (it would be the whole run, at a rate of 0), and the decay
-  always has a step to take (optax refuses zero decay steps).
-  """
-  import optax  # the training extra
-
-  warmup = min(100, steps // 10 + 1, steps - 1)
-  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1),
-                                            learning_rate * 0.05)
-
-
-def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_ids: np.ndarray,
-                *, steps: int, batch: int, learning_rate: float = 1e-3, seed: int = 0,
-                progress: bool = True, log_every: int = 50):
-  """Train the draft's weights on a :class:`Corpus`: ``(weights, losses)``.
-
-  Needs ``optax`` (``pip install 'specdec_jax[train]'``).
-  """
-  import optax  # the training extra; the library and the demo do not need it
-
-  key = jax.random.key(seed)
-  key, init_key = jax.random.split(key)
-  weights = eagle.init_weights(init_key, config)
-  head_all = params.embed if params.output is None else params.output
-  head = jnp.take(head_all, jnp.asarray(vocab_ids), axis=0)
-  schedule = learning_rate_schedule(steps, learning_rate)
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
-  with jax.numpy_dtype_promotion("standard"):
-    state = optimizer.init(weights)
-
-  @jax.jit
-  def step(weights, state, batch_arrays, key):
-    (loss, ce), grads = jax.value_and_grad(draft_loss, has_aux=True)(
-      weights, params.embed, head, batch_arrays, key, config=config)
-    updates, state = optimizer.update(grads, state, weights)
-    return optax.apply_updates(weights, updates), state, loss, ce
-
-  rng = np.random.default_rng(seed)
-  n = corpus.tokens.shape[0]
-  losses = []
-  start = time.perf_counter()
-  for i in range(steps):
-    rows = rng.choice(n, size=batch, replace=n < batch)
-    arrays = (jnp.asarray(corpus.tokens[rows]), jnp.asarray(corpus.mask[rows]),
-              jnp.asarray(corpus.features[rows]), jnp.asarray(corpus.lse[rows]))
-    key, sub = jax.random.split(key)
-    with jax.numpy_dtype_promotion("standard"):  # optax relies on implicit promotion
-      weights, state, loss, ce = step(weights, state, arrays, sub)
-    losses.append(float(ce))
-    if progress and (i + 1) % log_every == 0:
-      _say(True, f"  step {i + 1}/{steps}: loss {float(loss):.3f}, cross-entropy "
-                 f"{np.mean(losses[-log_every:]):.3f}, {time.perf_counter() - start:.0f} s")
-  return weights, losses
 
 
 PROG = "python -m specdec_jax.app.train_draft"
@@ -417,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   stored = check_arguments(parser, args)
   begin = time.perf_counter()
-  _say(True, "loading SmolLM2-135M-Instruct ...")
+  say(True, "loading SmolLM2-135M-Instruct ...")
   params, config, tokenizer = smollm2.load_smollm2(progress=True)
   prompts = [tokenizer.chat_ids(p) for p in TRAIN_PROMPTS]
   problem = check_with_model(args, config, prompts, stored)
@@ -427,16 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   if stored is not None:
     sequences = stored
   else:
-    _say(True, f"generating the corpus: {len(prompts)} prompts x {args.temperatures}")
+    say(True, f"generating the corpus: {len(prompts)} prompts x {args.temperatures}")
     sequences = generate_corpus(target, prompts, temperatures=args.temperatures,
                                 max_new_tokens=args.max_new_tokens, batch=24,
                                 eos_id=tokenizer.eos_id, seed=args.seed)
     if args.corpus is not None:
       np.savez(args.corpus, **{str(i): s for i, s in enumerate(sequences)})
   vocab_ids = frequent_vocab(sequences, DRAFT_VOCAB, config.vocab_size, [tokenizer.eos_id])
-  _say(True, "target features of the corpus ...")
+  say(True, "target features of the corpus ...")
   corpus = Corpus(params, config, sequences, length=args.length)
-  _say(True, f"training: {args.steps} steps of {args.batch} sequences")
+  say(True, f"training: {args.steps} steps of {args.batch} sequences")
   weights, losses = train_eagle(params, config, corpus, vocab_ids, steps=args.steps,
                                 batch=args.batch, seed=args.seed)
   if not all(np.isfinite(np.asarray(w)).all() for w in jax.tree.leaves(weights)):
@@ -445,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   eagle.save_eagle(args.out, weights, vocab_ids)
   size = args.out.stat().st_size / 1e6
-  _say(True, f"wrote {args.out} ({size:.1f} MB, {eagle.num_weights(weights):,} weights); "
+  say(True, f"wrote {args.out} ({size:.1f} MB, {eagle.num_weights(weights):,} weights); "
              f"final cross-entropy {np.mean(losses[-50:]):.3f}; "
              f"{(time.perf_counter() - begin) / 60:.1f} min in all")
   return 0

@@ -17,6 +17,7 @@ pytest.importorskip("optax", reason="the training extra: pip install -e '.[train
 from specdec_jax import SamplingParams
 from specdec_jax import generate
 from specdec_jax import speculative_generate
+from specdec_jax.app import draft_training
 from specdec_jax.app import train_draft
 from specdec_jax.models import eagle
 from specdec_jax.models import llama
@@ -31,14 +32,14 @@ PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(0, 48, size=3 + i 
 
 @pytest.fixture(scope="module")
 def trained():
-  sequences = train_draft.generate_corpus(TARGET, PROMPTS, temperatures=[0.0, 0.8],
+  sequences = draft_training.generate_corpus(TARGET, PROMPTS, temperatures=[0.0, 0.8],
                                           max_new_tokens=24, batch=16, eos_id=None,
                                           progress=False)
   assert len(sequences) == 32 and all(len(s) > 24 for s in sequences)
-  vocab_ids = train_draft.frequent_vocab(sequences, 40, CONFIG.vocab_size, always=[5])
+  vocab_ids = draft_training.frequent_vocab(sequences, 40, CONFIG.vocab_size, always=[5])
   assert len(vocab_ids) == 40 and 5 in vocab_ids
-  corpus = train_draft.Corpus(PARAMS, CONFIG, sequences, length=32, progress=False)
-  weights, losses = train_draft.train_eagle(PARAMS, CONFIG, corpus, vocab_ids, steps=150,
+  corpus = draft_training.Corpus(PARAMS, CONFIG, sequences, length=32, progress=False)
+  weights, losses = draft_training.train_eagle(PARAMS, CONFIG, corpus, vocab_ids, steps=150,
                                             batch=8, learning_rate=3e-3, progress=False)
   return weights, vocab_ids, losses, corpus
 
@@ -204,9 +205,9 @@ def test_one_training_step_has_a_learning_rate():
   also learn (a warm-up would be the whole run, at a rate of 0). Longer runs are unchanged."""
   import optax
 
-  assert float(train_draft.learning_rate_schedule(1, 1e-3)(0)) == pytest.approx(1e-3)
+  assert float(draft_training.learning_rate_schedule(1, 1e-3)(0)) == pytest.approx(1e-3)
   for steps in (2, 9, 700):
     old = optax.warmup_cosine_decay_schedule(0.0, 1e-3, min(100, steps // 10 + 1), steps, 5e-5)
-    new = train_draft.learning_rate_schedule(steps, 1e-3)
+    new = draft_training.learning_rate_schedule(steps, 1e-3)
     for i in (0, 1, steps // 2, steps - 1):
       assert float(new(i)) == float(old(i))
