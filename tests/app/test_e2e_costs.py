@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from specdec_jax.app import e2e
+from specdec_jax.app import e2e_costs
 
-COSTS = e2e.Costs(target_step=19.0, target_verify={4: 22.2},
+COSTS = e2e_costs.Costs(target_step=19.0, target_verify={4: 22.2},
                   draft_step={"lookup": 0.0, "eagle": 1.0},
                   draft_sync={"lookup": 0.0, "eagle": 1.5}, prefill={"p": 60.0}, sample=0.2,
                   verify={4: 0.4})
@@ -33,10 +34,10 @@ def test_predicted_speedup_is_theorem_3_8_with_costs():
   run = _run("eagle", alphas=(1.0, 1.0, 1.0, 1.0))
   plain = 60.0 + 100 * 19.2
   iteration = 1.5 + 3 * 1.0 + 22.2 + 0.4
-  assert e2e.predicted_speedup(run, COSTS) == pytest.approx(plain / (60.0 + 20 * iteration))
+  assert e2e_costs.predicted_speedup(run, COSTS) == pytest.approx(plain / (60.0 + 20 * iteration))
   # Nothing accepted: one token per iteration.
   none = _run("lookup", alphas=(0.0, 0.0, 0.0, 0.0))
-  assert e2e.predicted_speedup(none, COSTS) == pytest.approx(plain / (60.0 + 100 * 22.6))
+  assert e2e_costs.predicted_speedup(none, COSTS) == pytest.approx(plain / (60.0 + 100 * 22.6))
 
 
 def test_each_draft_has_its_own_gamma_unless_one_is_given():
@@ -50,13 +51,13 @@ def test_predicted_speedup_of_an_adaptive_run_uses_its_counts():
   run = _run("lookup-adaptive", target_calls=101, proposals=0)
   policy = e2e.adaptive_policy(COSTS, "lookup", gamma=4)
   expected = (60.0 + 100 * 19.2) / (60.0 + 100 * 19.2 * (1 + policy.fixed_cost))
-  assert e2e.predicted_speedup(run, COSTS) == pytest.approx(expected)
+  assert e2e_costs.predicted_speedup(run, COSTS) == pytest.approx(expected)
 
 
 def test_the_report_gives_the_cost_of_verifying_rows_a_request_cuts():
   import io
 
-  costs = e2e.Costs(**{**COSTS.__dict__, "verify_cut": {"top-k 50": (1.9, 0.45)}})
+  costs = e2e_costs.Costs(**{**COSTS.__dict__, "verify_cut": {"top-k 50": (1.9, 0.45)}})
   out = io.StringIO()
   e2e.report([_run("plain", alphas=()), _run("lookup", alphas=(0.5, 0.5, 0.5, 0.5))], costs,
              out=out)
@@ -78,4 +79,4 @@ def test_predicted_speedup_of_a_sized_tree_uses_the_plans_cost():
   # Both in the plan's units (calls measured in a loop), not the isolated target step's.
   run = _run("eagle+sized", alphas=(1.0, 0.5), gamma=2, iteration_ms=25.0, plain_ms=15.0)
   plain = 60.0 + 100 * 15.0
-  assert e2e.predicted_speedup(run, COSTS) == pytest.approx(plain / (60.0 + 100 / 2.5 * 25.0))
+  assert e2e_costs.predicted_speedup(run, COSTS) == pytest.approx(plain / (60.0 + 100 / 2.5 * 25.0))

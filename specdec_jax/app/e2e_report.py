@@ -1,0 +1,106 @@
+"""What ``bench-e2e`` prints: one :class:`Run` per timed generation, the comparison table
+(:func:`report`, with Leviathan et al.'s Theorem 3.8 prediction from the measured costs) and the
+mean over seeds (:func:`summarize`). :mod:`specdec_jax.app.e2e` runs the generations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from specdec_jax.app.e2e_costs import Costs
+from specdec_jax.app.e2e_costs import predicted_speedup
+from specdec_jax.app.tables import format_table
+
+
+@dataclasses.dataclass
+class Run:
+  """One timed generation."""
+
+  prompt: str
+  draft: str  # "plain" or a draft name
+  temperature: float
+  gamma: int
+  seconds: float
+  compile_seconds: float
+  new_tokens: int
+  text: str
+  tokens: list[int]
+  target_calls: int = 0
+  draft_calls: int = 0
+  alphas: tuple[float, ...] = ()
+  tokens_per_call: float = 1.0
+  seed: int = 0
+  proposals: int = 0
+  iteration_ms: float = 0.0  # eagle+sized: the planned cost of an iteration, and of a plain
+  plain_ms: float = 0.0  # decoding step in the same units (its prediction)
+
+
+def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
+  """Print the comparison table."""
+  plain = {(r.prompt, r.temperature): r for r in runs if r.draft == "plain"}
+  header = ("prompt", "temp", "draft", "gamma", "tokens", "tok/s", "speed-up", "predicted",
+            "tok/call", "acceptance by position", "compile s")
+  rows = []
+  for r in runs:
+    base = plain.get((r.prompt, r.temperature))
+    tok_s = r.new_tokens / r.seconds if r.seconds else float("nan")
+    if r.draft == "plain":
+      speed, pred, acc = "1.00x", "", ""
+    else:
+      base_rate = base.new_tokens / base.seconds if base else float("nan")
+      speed = f"{tok_s / base_rate:.2f}x"
+      pred = "" if r.draft.endswith("+tree") else f"{predicted_speedup(r, costs):.2f}x"
+      if r.draft.endswith("+sized") and not r.alphas:
+        pred = "1.00x"  # plain decoding was chosen
+      acc = " ".join(f"{a:.2f}" for a in r.alphas)
+    rows.append((r.prompt, f"{r.temperature:g}", r.draft, str(r.gamma) if r.alphas else "",
+                 str(r.new_tokens), f"{tok_s:.1f}", speed, pred, f"{r.tokens_per_call:.2f}",
+                 acc, f"{r.compile_seconds:.1f}"))
+  print(format_table(header, rows, align="lrlrrrrrrl"), file=out)
+  prefill = ", ".join(f"{k} {v:.1f}" for k, v in costs.prefill.items())
+  calls = ", ".join(f"{g + 1} tokens {v:.2f}" for g, v in costs.target_verify.items())
+  verifies = ", ".join(f"gamma {g} {v:.2f}" for g, v in costs.verify.items())
+  print(f"\n  costs at batch 1 (median ms, each measured alone): prefill ({prefill}), "
+        f"target step {costs.target_step:.2f}, target call on {calls}, sample "
+        f"{costs.sample:.2f}, verify ({verifies}), "
+        + ", ".join(f"{k} draft step {v:.2f}" for k, v in costs.draft_step.items())
+        + ", eagle first call (gamma + 1 tokens) "
+        + f"{costs.draft_sync.get('eagle', float('nan')):.2f}", file=out)
+  if costs.verify_cut:
+    print("  verification with a request that cuts its rows (gamma "
+          f"{max(costs.verify)}, real rows): " + ", ".join(
+            f"{k} {lazy:.2f} (rows processed first: {first:.2f})"
+            for k, (first, lazy) in costs.verify_cut.items()), file=out)
+  print("  speed-up: this run's tokens/s over plain decoding's. predicted: Leviathan et al. "
+        "Theorem 3.8 from the measured\n  acceptance by position (alpha_i) and the costs above, "
+        "prefill included (see specdec_jax.app.e2e_costs.predicted_speedup).", file=out)
+  if any(r.draft.endswith("+sized") for r in runs):
+    print("  +sized: the best predicted of plain decoding, the chain and the tree plan_tree sized "
+          "from the measured cost curves\n  and the draft's calibrated acceptance (see above); "
+          "predicted from its acceptance by depth at the planned cost.", file=out)
+  if any(r.draft.endswith("+tree") for r in runs):
+    print("  +tree: a top-k draft tree verified in one target call (tree attention); gamma is "
+          "its depth and the acceptance\n  is by depth. Not predicted: the chain formula does "
+          "not apply to trees.", file=out)
+
+
+def summarize(runs: Sequence[Run], out=sys.stdout) -> None:
+  """Mean (and spread) over seeds of tokens per target call and speed-up, by variant."""
+  plain = {(r.prompt, r.temperature, r.seed): r for r in runs if r.draft == "plain"}
+  groups: dict[tuple[str, float, str], list[tuple[float, float]]] = {}
+  for r in runs:
+    base = plain[(r.prompt, r.temperature, r.seed)]
+    speed = (r.new_tokens / r.seconds) / (base.new_tokens / base.seconds)
+    groups.setdefault((r.prompt, r.temperature, r.draft), []).append((r.tokens_per_call, speed))
+  print("  mean over seeds (min .. max)", file=out)
+  header = f"  {'prompt':<11} {'temp':>4}  {'draft':<12} {'seeds':>5}  {'tok/call':<22}  speed-up"
+  print(header, file=out)
+  for (prompt, temperature, draft), values in groups.items():
+    calls, speeds = np.array(values).T
+    print(f"  {prompt:<11} {temperature:>4g}  {draft:<12} {len(values):>5}  "
+          f"{calls.mean():.2f} ({calls.min():.2f} .. {calls.max():.2f}){'':<6}  "
+          f"{speeds.mean():.2f}x ({speeds.min():.2f} .. {speeds.max():.2f})", file=out)
