@@ -45,6 +45,7 @@ from specdec_jax._vocab_parallel import vocab_parallel_verify
 from specdec_jax.decoding import AdaptiveSpeculation
 from specdec_jax.decoding import DecodeStats
 from specdec_jax.decoding import DraftTree
+from specdec_jax.decoding import DynamicTree
 from specdec_jax.decoding import FeatureDraft
 from specdec_jax.decoding import GenerateResult
 from specdec_jax.decoding import PromptLookup
@@ -63,6 +64,7 @@ __all__ = (
   "DecodeStats",
   "DraftSample",
   "DraftTree",
+  "DynamicTree",
   "ErrorCode",
   "FeatureDraft",
   "GenerateResult",

@@ -3,8 +3,8 @@
 The package, one module per concern: ``types`` (results and loop state), ``args`` (host-side
 argument checks), ``common`` (the traced pieces every loop shares), ``plain`` (:func:`generate`),
 ``drafts``, ``chain`` and ``chain_loop`` (:func:`speculative_generate`, its drafts and its traced
-loop), ``draft_tree``, ``tree`` and ``tree_plan`` (:class:`DraftTree`,
-:func:`tree_speculative_generate` and :func:`plan_tree`).
+loop), ``draft_tree``, ``dynamic_tree``, ``tree`` and ``tree_plan`` (:class:`DraftTree`,
+:class:`DynamicTree`, :func:`tree_speculative_generate` and :func:`plan_tree`).
 
 Both loops run a whole batch inside one compiled ``jax.lax.while_loop`` with fixed
 shapes. Every row has its own length (ragged batches), its own keys and its own stop
@@ -23,7 +23,8 @@ cache slot per position, so rolling back rejected proposals is just moving a len
 * :func:`tree_speculative_generate`: a draft model proposes a :class:`DraftTree` of
   candidates, the target scores every node in one call with tree attention and
   :func:`~specdec_jax.tree_verify` keeps one path plus a token of its own;
-  :func:`plan_tree` sizes the tree from measured acceptance and the machine's cost curve.
+  :func:`plan_tree` sizes the tree from measured acceptance and the machine's cost curve;
+  a :class:`DynamicTree` (EAGLE-2) drafts each row's tree afresh from the draft's confidences.
 """
 
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
@@ -33,6 +34,7 @@ from specdec_jax.decoding.chain import speculative_generate
 from specdec_jax.decoding.drafts import Draft
 from specdec_jax.decoding.drafts import FeatureDraft
 from specdec_jax.decoding.drafts import PromptLookup
+from specdec_jax.decoding.dynamic_tree import DynamicTree
 from specdec_jax.decoding.plain import generate
 from specdec_jax.decoding.tree import TREE_LAWS
 from specdec_jax.decoding.tree import DraftTree
@@ -50,6 +52,7 @@ __all__ = (
   "DecodeStats",
   "Draft",
   "DraftTree",
+  "DynamicTree",
   "FeatureDraft",
   "GenerateResult",
   "PromptLookup",

@@ -42,6 +42,9 @@ from specdec_jax.decoding.draft_tree import tree_model_fns
 from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import feature_fns
 from specdec_jax.decoding.drafts import feature_prefill
+from specdec_jax.decoding.dynamic_tree import DynamicTree
+from specdec_jax.decoding.dynamic_tree import check_dynamic_tree
+from specdec_jax.decoding.dynamic_tree import draft_dynamic_tree
 from specdec_jax.decoding.types import SpecState
 from specdec_jax.decoding.types import SpeculativeResult
 from specdec_jax.models.protocol import FeatureDraft
@@ -57,24 +60,30 @@ TREE_LAWS = ("deterministic", "iid")
                    "max_len", "context", "pad_id"),
 )
 def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params,
-              eos_id, *, target: TreeFns, draft: TreeFns | FeatureFns, tree: DraftTree, law: str,
+              eos_id, *, target: TreeFns, draft: TreeFns | FeatureFns,
+              tree: DraftTree | DynamicTree, law: str,
               tree_verifier, max_new_tokens: int, max_len: int, context: int | None,
               pad_id: int):
   batch = prompt.shape[0]
   rows = batch_rows(batch)
   vocab = target.vocab_size
   size, depth = tree.size, tree.depth
-  parents = np.asarray(tree.parents, np.int32)
-  ranks = np.asarray(tree.ranks, np.int32)
-  depths = tree.depths()
-  mask = jnp.asarray(tree.ancestors())
-  width = max(1, int(ranks.max()) + 1)  # candidates drafted per node
+  dynamic = isinstance(tree, DynamicTree)  # one tree per row and iteration (EAGLE-2)
+  if dynamic:
+    slots_used = max(size, tree.num_fed)  # the target's tree slots, the draft's
+  else:
+    slots_used = size
+    parents = np.asarray(tree.parents, np.int32)
+    ranks = np.asarray(tree.ranks, np.int32)
+    depths = tree.depths()
+    mask = jnp.asarray(tree.ancestors())
+    width = max(1, int(ranks.max()) + 1)  # candidates drafted per node
+    levels = [np.flatnonzero(depths == d).astype(np.int32) for d in range(depth + 1)]
+    # Nodes of depth <= d are a prefix (breadth-first order): num_nodes for a depth budget d.
+    level_end = jnp.asarray([int((depths <= d).sum()) for d in range(depth + 1)], jnp.int32)
   need_q = law != "deterministic" or tree_verifier is not default_tree_verifier(law, depth)
   is_feature = isinstance(draft, FeatureFns)
-  levels = [np.flatnonzero(depths == d).astype(np.int32) for d in range(depth + 1)]
-  # Nodes of depth <= d are a prefix (breadth-first order): num_nodes for a depth budget d.
-  level_end = jnp.asarray([int((depths <= d).sum()) for d in range(depth + 1)], jnp.int32)
-  cache_len = max_len + size - 1  # tree slots reach root + N - 1 <= max_len + N - 2
+  cache_len = max_len + slots_used - 1  # tree slots reach root + N - 1 <= max_len + N - 2
   common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
                           max_new_tokens=max_new_tokens, max_len=max_len, context=context,
                           vocab=vocab)
@@ -139,23 +148,13 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
 
     return logits[rows, at][:, None], (cache, node_features), level_call
 
-  def cond(s: SpecState):
-    return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
-
-  def body(s: SpecState):
-    active = ~s.done
-    root = s.lengths - 1  # slot and position of node 0
-    budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, depth), 0)
-    num_nodes = level_end[budget]
-    step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
+  def static_draft(root_logits, carry, level_call, s: SpecState, root, step_keys):
+    """Draft the static tree level by level: a first call gives the root's candidates, then
+    one tree-attention call per level gives the candidates after each of its nodes."""
     node_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 1), size))(step_keys)
-
-    # Draft the tree level by level: a first call gives the root's candidates, then one
-    # tree-attention call per level gives the candidates after each of its nodes.
     node_tokens = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(s.tokens[rows, root])
     # The point-mass rule never reads q: then no draft distribution is materialised.
     q = jnp.zeros((batch, size, vocab), jnp.float32) if need_q else None
-    root_logits, carry, level_call = (feature_draft if is_feature else model_draft)(s, root)
     ids, q_root = candidates(root_logits, node_keys[:, :1], params, width, law, vocab_ids, vocab)
     cands = jnp.zeros((batch, size, width), jnp.int32).at[:, :1].set(ids)
     q = q.at[:, :1].set(q_root) if need_q else None
@@ -168,31 +167,57 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
                                   vocab)
         cands = cands.at[:, level].set(ids)
         q = q.at[:, level].set(q_level) if need_q else None
+    return node_tokens, carry, q
+
+  def cond(s: SpecState):
+    return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
+
+  def body(s: SpecState):
+    active = ~s.done
+    root = s.lengths - 1  # slot and position of node 0
+    budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, depth), 0)
+    step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
+    root_logits, carry, level_call = (feature_draft if is_feature else model_draft)(s, root)
+    if dynamic:
+      # EAGLE-2: expand the most confident candidates, score the most confident num_draft.
+      drafted, cache = draft_dynamic_tree(
+        tree, lambda t, f, pos, c, nodes, m: draft.tree_apply(
+          draft_params[0], t, f, jnp.clip(pos, 0, cache_len - 1), c, root, nodes, m),
+        s.tokens[rows, root], root_logits[:, 0], carry[1][:, 0], carry[0], root,
+        vocab_ids=vocab_ids, vocab=vocab, params=params, need_q=need_q)
+      carry = (cache, carry[1])
+      node_tokens, tree_parents, node_depths, tree_mask, q = drafted
+      parents_axis = 0
+      num_nodes = jnp.sum(node_depths <= budget[:, None], axis=1, dtype=jnp.int32)
+    else:
+      node_tokens, carry, q = static_draft(root_logits, carry, level_call, s, root, step_keys)
+      tree_parents, parents_axis, tree_mask = jnp.asarray(parents), None, mask
+      node_depths = jnp.broadcast_to(jnp.asarray(depths)[None], (batch, size))
+      num_nodes = level_end[budget]
 
     # One target call scores every node with tree attention.
-    positions = jnp.clip(root[:, None] + jnp.asarray(depths)[None], 0, cache_len - 1)
+    positions = jnp.clip(root[:, None] + node_depths, 0, cache_len - 1)
     if is_feature:
       logits, node_features, target_cache = target.tree_apply_features(
         target_params, model_ids(node_tokens, vocab), positions, s.target_cache, root, all_nodes,
-        mask)
+        tree_mask)
     else:
       logits, target_cache = target.tree_apply(target_params, model_ids(node_tokens, vocab),
-                                               positions, s.target_cache, root, all_nodes, mask)
+                                               positions, s.target_cache, root, all_nodes,
+                                               tree_mask)
     uniforms = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0), (size,)))(step_keys)
-    tree_parents = jnp.asarray(parents)
     if tree_verifier is default_tree_verifier(law, depth) and reads_lazily(logits, params):
       # tree_verify's rule on lazily processed target rows: no (B, N, V) probability array.
       p, axes = lazy_processed(logits, params)
-      result = jax.vmap(lambda p, q, t, u, n: TREE_RULE(
-        p, q, tree_parents, t, u, n, law=law, pad_id=-1, max_depth=depth,
-        uniform_layout="sequential", vocab=vocab), in_axes=(axes, None if q is None else 0, 0,
-                                                           0, 0))(
-        p, q, node_tokens, uniforms, num_nodes)
+      result = jax.vmap(lambda p, q, a, t, u, n: TREE_RULE(
+        p, q, a, t, u, n, law=law, pad_id=-1, max_depth=depth, uniform_layout="sequential",
+        vocab=vocab), in_axes=(axes, None if q is None else 0, parents_axis, 0, 0, 0))(
+        p, q, tree_parents, node_tokens, uniforms, num_nodes)
     else:
       p = processed(logits, params)
-      result = jax.vmap(lambda p, q, t, u, n: tree_verifier(p, q, tree_parents, t, u,
-                                                            num_nodes=n))(
-        p, p if q is None else q, node_tokens, uniforms, num_nodes)
+      result = jax.vmap(lambda p, q, a, t, u, n: tree_verifier(p, q, a, t, u, num_nodes=n),
+                        in_axes=(0, 0, parents_axis, 0, 0, 0))(
+        p, p if q is None else q, tree_parents, node_tokens, uniforms, num_nodes)
 
     accepted = jnp.where(active, result.num_accepted, 0)
     # Move the accepted path from its tree slots to the slots of its positions.
@@ -217,7 +242,7 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
 
 def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
                               prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-                              key: jax.Array, *, tree: DraftTree,
+                              key: jax.Array, *, tree: DraftTree | DynamicTree,
                               max_new_tokens: int, params: SamplingParams = SamplingParams(),
                               law: str = "deterministic", eos_id: int | None = None,
                               max_len: int | None = None, tree_verifier: Callable | None = None,
@@ -265,13 +290,16 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
     prompt_tokens: int ``(B, P)`` right-padded prompts.
     prompt_lengths: int ``(B,)`` in ``[1, P]``.
     key: one ``jax.random`` key (split into one per row) or ``B`` keys, one per row.
-    tree: static :class:`DraftTree` (its ``N`` nodes include the root).
+    tree: static :class:`DraftTree` (its ``N`` nodes include the root), or a
+      :class:`~specdec_jax.decoding.DynamicTree` (EAGLE-2: each row and iteration drafts its
+      own tree of ``N = num_draft + 1`` nodes from the draft's confidences; needs a
+      ``FeatureDraft`` and ``law="deterministic"``).
     max_new_tokens: static int ``>= 1``.
     params: :class:`~specdec_jax.SamplingParams` for target and draft; fields scalar or ``(B,)``.
     law: static, ``"deterministic"`` (top-k tree) or ``"iid"`` (sampled tree).
     eos_id: optional token id that ends a row (kept in the output).
     max_len: static buffer length, ``>= P``; default ``P + max_new_tokens``. The
-      caches have ``max_len + N - 1`` slots.
+      caches have ``max_len + N - 1`` slots (a DynamicTree: ``max_len + max(N, num_fed) - 1``).
     tree_verifier: optional static function ``(p (N, V), q (N, V), parents (N,),
       tokens (N,), uniforms (N,), *, num_nodes) -> TreeVerifyResult`` for one tree, to use
       instead of :func:`~specdec_jax.tree_verify` with ``law`` (e.g. a negative control);
@@ -313,12 +341,19 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
   else:
     draft_fns, draft_params = tree_model_fns(draft, name, "draft"), draft.params
     check_same_vocab(draft_fns.vocab_size, target_fns.vocab_size, name)
-  tree = check_draft_tree(tree, name)
-  if tree.size < 2:
-    raise ValueError(f"{name}: `tree` must have at least one node besides the root.")
   if law not in TREE_LAWS:
     raise ValueError(f"{name}: `law` must be one of {TREE_LAWS}, got {law!r} instead.")
-  width = max(tree.ranks) + 1
+  if isinstance(tree, DynamicTree):
+    tree = check_dynamic_tree(tree, name)
+    if not isinstance(draft, FeatureDraft) or law != "deterministic":
+      raise ValueError(f"{name}: a DynamicTree (EAGLE-2) needs a FeatureDraft and "
+                       f"law='deterministic', got a {type(draft).__name__} draft and law={law!r}.")
+    width = tree.top_k
+  else:
+    tree = check_draft_tree(tree, name)
+    if tree.size < 2:
+      raise ValueError(f"{name}: `tree` must have at least one node besides the root.")
+    width = max(tree.ranks) + 1
   draft_vocab = draft_fns.draft_vocab if isinstance(draft_fns, FeatureFns) else (
     draft_fns.vocab_size)
   if law == "deterministic" and width > draft_vocab:

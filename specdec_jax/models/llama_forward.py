@@ -140,14 +140,20 @@ def tree_visibility(start: jax.Array, nodes: jax.Array, tree_mask: jax.Array,
   """Where tree tokens are written and what they see: ``(slots (B, T), visible (B, T, S))``.
 
   Token ``t`` (node ``nodes[t]``) goes to slot ``start[b] + nodes[t]`` and sees every slot
-  before ``start[b]`` and the tree slots ``start[b] + j`` with ``tree_mask[t, j]``.
+  before ``start[b]`` and the tree slots ``start[b] + j`` with ``tree_mask[t, j]``, or
+  ``tree_mask[b, t, j]`` for a mask ``(B, T, N)`` of one tree per row (EAGLE-2's dynamic
+  trees).
   """
   start = jnp.asarray(start, jnp.int32)[:, None]  # (B, 1)
   nodes = jnp.asarray(nodes, jnp.int32)
-  width = tree_mask.shape[1]
+  tree_mask = jnp.asarray(tree_mask, bool)
+  width = tree_mask.shape[-1]
   rel = jnp.arange(size, dtype=jnp.int32)[None, :] - start  # (B, S): slot minus the tree start
-  in_tree = jnp.take(jnp.asarray(tree_mask, bool), jnp.clip(rel, 0, width - 1), axis=1)
-  in_tree = jnp.moveaxis(in_tree, 1, 0)  # (B, T, S)
+  at = jnp.clip(rel, 0, width - 1)
+  if tree_mask.ndim == 2:
+    in_tree = jnp.moveaxis(jnp.take(tree_mask, at, axis=1), 1, 0)  # (B, T, S)
+  else:
+    in_tree = jnp.take_along_axis(tree_mask, at[:, None, :], axis=2)  # (B, T, S)
   visible = (rel[:, None, :] < 0) | ((rel[:, None, :] < width) & in_tree)
   return start + nodes[None, :], visible
 

@@ -28,7 +28,10 @@ Two optional functions let a model verify a whole draft *tree* in one call
   ``start .. start + N - 1`` of each row; token ``t`` is node ``nodes[t]``, written to
   slot ``start + nodes[t]``, rotated/embedded at ``positions[b, t]``, and it attends to
   every slot before ``start`` and to the tree slots ``start + j`` with ``tree_mask[t, j]``
-  (its ancestors and itself), nothing else.
+  (its ancestors and itself), nothing else. A mask ``(B, T, N)`` gives each row its own tree
+  (``tree_mask[b, t, j]``; the dynamic trees of EAGLE-2,
+  :class:`~specdec_jax.decoding.DynamicTree`); a model that accepts only ``(T, N)`` still
+  runs every static tree.
 * ``copy_slots(cache, src (B, K), dst (B, K)) -> cache``: copy slot ``src[b, k]`` to
   ``dst[b, k]`` (every read before any write; ``src == dst`` is a no-op). The loop moves
   the accepted path from its tree slots to the slots of its positions with it.

@@ -57,10 +57,12 @@ def _apply_bigram(params, tokens, positions, cache):
 
 def _tree_prev_slots(start, nodes, tree_mask):
   """``(B, T)``: the slot of each tree token's parent (``start - 1`` for a node without one)."""
-  j = jnp.arange(tree_mask.shape[1], dtype=jnp.int32)
-  strict = jnp.asarray(tree_mask, bool) & (j[None, :] < nodes[:, None])  # strict ancestors
-  parent = jnp.max(jnp.where(strict, j[None, :], -1), axis=1)  # the deepest one is the parent
-  return start[:, None] + parent[None, :]
+  tree_mask = jnp.asarray(tree_mask, bool)
+  lead = (1,) * (tree_mask.ndim - 1)  # (1,) for one mask (T, N), (1, 1) for one per row
+  j = jnp.arange(tree_mask.shape[-1], dtype=jnp.int32).reshape(*lead, -1)
+  strict = tree_mask & (j < nodes.reshape(*lead[1:], -1, 1))  # strict ancestors
+  parent = jnp.max(jnp.where(strict, j, -1), axis=-1)  # the deepest one is the parent
+  return start[:, None] + parent.reshape(-1, parent.shape[-1])  # (B, T)
 
 
 def _tree_apply_trigram(params, tokens, positions, cache, start, nodes, tree_mask):

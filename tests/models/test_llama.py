@@ -294,3 +294,29 @@ def test_copy_slots_commits_an_accepted_path(setup):
   logits, _ = _run(model, nxt[None], np.array([[start + 1 + len(path)]]), cache)
   seq = np.concatenate([tokens[: start + 1], nodes[path], nxt])
   np.testing.assert_allclose(logits[0, 0], _full(model, seq)[-1], **JAX_TOL)
+
+
+def test_tree_apply_takes_one_tree_per_row(setup):
+  """A mask ``(B, T, N)`` (EAGLE-2's dynamic trees): each row sees its own tree, as a call on
+  that row alone with its ``(T, N)`` mask does."""
+  _, _, model, tokens = setup
+  start = 3
+  chain = np.tril(np.ones((len(TREE_PARENTS),) * 2, bool))  # a second tree: one chain
+  masks = np.stack([_tree_mask(), chain])
+  depths = np.stack([TREE_DEPTHS, np.arange(len(TREE_PARENTS))])
+  rng = np.random.default_rng(8)
+  nodes = rng.integers(0, model.vocab_size, (2, len(TREE_PARENTS))).astype(np.int32)
+  nodes[:, 0] = tokens[start]
+  _, cache = _run(model, np.tile(tokens[:start], (2, 1)), np.tile(np.arange(start), (2, 1)),
+                  model.init_cache(2, MAX_LEN))
+  both, _ = model.tree_apply(model.params, jnp.asarray(nodes), jnp.asarray(start + depths), cache,
+                             jnp.array([start, start]), jnp.arange(len(TREE_PARENTS)),
+                             jnp.asarray(masks))
+  for row in range(2):
+    one_cache = jax.tree.map(lambda a, r=row: a[:, r : r + 1] if a.ndim == 5 else a, cache)
+    alone, _ = model.tree_apply(model.params, jnp.asarray(nodes[row : row + 1]),
+                                jnp.asarray(start + depths[row : row + 1]), one_cache,
+                                jnp.array([start]), jnp.arange(len(TREE_PARENTS)),
+                                jnp.asarray(masks[row]))
+    np.testing.assert_allclose(both[row], alone[0], **JAX_TOL, err_msg=f"row {row}")
+  assert not np.allclose(both[0], both[1], **JAX_TOL)  # the two trees differ
