@@ -82,9 +82,11 @@ PROMPTS = {
 #: :class:`~specdec_jax.decoding.AdaptiveSpeculation` from the measured costs; ``+tree``: the
 #: same draft building a top-k tree of :data:`DEFAULT_TREE` (``--verifier tree`` adds one per
 #: draft); ``+sized``: the tree :func:`~specdec_jax.decoding.plan_tree` sizes from this machine's
-#: measured costs and the draft's calibrated acceptance (:mod:`specdec_jax.app.e2e_tree`).
+#: measured costs and the draft's calibrated acceptance (:mod:`specdec_jax.app.e2e_tree`);
+#: ``+dynamic``: EAGLE-2's dynamic tree scoring as many tokens as that plan (plain or the chain
+#: where the plan is).
 DRAFTS = ("lookup", "lookup-adaptive", "eagle", "eagle-adaptive", "eagle+tree", "eagle+sized",
-          "skip", "early")
+          "eagle+dynamic", "skip", "early")
 
 #: The draft tree of ``--verifier tree`` per draft unless ``--tree`` says otherwise (candidates
 #: per node at each depth). Layer drafts: 2 after the root, 2 after each of those, then one more
@@ -158,13 +160,14 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
     def call():
       return generate(setup.target, prompt, lengths, key, max_new_tokens=max_new_tokens,
                       params=params, eos_id=eos)
-  elif verifier == "sized" and setup.sized[temperature].kind != "tree":  # plain or a chain
+  elif verifier in ("sized", "dynamic") and setup.sized[temperature].kind != "tree":
     return _make_call(setup, prompt_text, "plain" if setup.sized[temperature].kind == "plain"
                       else base, gamma=setup.sized[temperature].gamma, temperature=temperature,
                       max_new_tokens=max_new_tokens, seed=seed, verifier="token")
-  elif verifier in ("tree", "sized"):
-    shape = (setup.sized[temperature].tree if verifier == "sized"
-             else DraftTree.from_branching(draft_tree(base, tree)))
+  elif verifier in ("tree", "sized", "dynamic"):
+    shape = {"sized": lambda: setup.sized[temperature].tree,
+             "dynamic": lambda: e2e_tree.dynamic_tree(setup.sized[temperature]),
+             "tree": lambda: DraftTree.from_branching(draft_tree(base, tree))}[verifier]()
 
     def call():
       return tree_speculative_generate(setup.target, setup.drafts[base], prompt, lengths, key,
@@ -231,9 +234,11 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
                   compile_seconds=max(compile_s[name] - statistics.median(times[name]), 0.0))
           for name in variants]
   for run in runs:
-    if run.draft.endswith("+sized"):
+    if run.draft.endswith(("+sized", "+dynamic")):
       choice = setup.sized[temperature]
       run.iteration_ms, run.plain_ms = choice.cost_ms, choice.plain_ms
+      if run.draft.endswith("+dynamic") and choice.kind == "tree":  # one more draft level
+        run.iteration_ms += choice.draft_step_ms
   return runs
 
 
@@ -244,7 +249,9 @@ def _run_gamma(setup: Setup, name: str, gamma: int | None, tree: tuple[int, ...]
     return 0
   if name.endswith("+tree"):
     return len(draft_tree(name, tree))
-  if name.endswith("+sized"):
+  if name.endswith("+dynamic") and setup.sized[temperature].kind == "tree":
+    return setup.sized[temperature].gamma + 1
+  if name.endswith(("+sized", "+dynamic")):
     return setup.sized[temperature].gamma
   return draft_gamma(name, gamma)
 
@@ -273,7 +280,7 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
                         max_len=max(lengths.values()) + max_new_tokens + most,
                         cut_prompt=prompts.get("open-ended", next(iter(prompts.values()))))
   setup.policies = {d: adaptive_policy(costs, d, draft_gamma(d, gamma)) for d in costs.draft_step}
-  if any(d.endswith("+sized") for d in drafts):
+  if any(d.endswith(("+sized", "+dynamic")) for d in drafts):
     curves = e2e_tree.measure_curves(setup)
     print("  target call in a loop (ms) on k tokens, chain / tree attention: " + ", ".join(
       f"{k}: {curves['chain'][k]:.1f} / {curves['tree'][k]:.1f}" for k in e2e_tree.CURVE_TOKENS),

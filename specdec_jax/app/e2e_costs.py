@@ -208,7 +208,7 @@ def predicted_speedup(run: Run, costs: Costs) -> float:
   """
   n = max(run.new_tokens - 1, 0)
   prefill = costs.prefill[run.prompt]
-  # eagle+sized: its plan's own units (the calls measured in a loop), plain decoding included
+  # eagle+sized/+dynamic: the plan's own units (calls measured in a loop), plain decoding too
   plain = prefill + n * (run.plain_ms or costs.target_step + costs.sample)
   draft = run.draft.partition("+")[0]
   if draft.endswith("-adaptive"):  # proposals vary: the cost model on the run's own counts
@@ -219,7 +219,7 @@ def predicted_speedup(run: Run, costs: Costs) -> float:
       policy.draft_cost + policy.verify_cost)
     return plain / (prefill + spent)
   tokens_per_iteration = float(expected_tokens_per_position(jnp.asarray(run.alphas)))
-  if run.iteration_ms:  # eagle+sized: its acceptance by depth at the planned cost
+  if run.iteration_ms:  # eagle+sized/+dynamic: its acceptance by depth at the planned cost
     iteration = run.iteration_ms
   else:
     iteration = (costs.draft_sync[draft] + (run.gamma - 1) * costs.draft_step[draft]

@@ -35,7 +35,7 @@ class Run:
   tokens_per_call: float = 1.0
   seed: int = 0
   proposals: int = 0
-  iteration_ms: float = 0.0  # eagle+sized: the planned cost of an iteration, and of a plain
+  iteration_ms: float = 0.0  # eagle+sized/+dynamic: the planned cost of an iteration, of a plain
   plain_ms: float = 0.0  # decoding step in the same units (its prediction)
 
 
@@ -54,7 +54,7 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
       base_rate = base.new_tokens / base.seconds if base else float("nan")
       speed = f"{tok_s / base_rate:.2f}x"
       pred = "" if r.draft.endswith("+tree") else f"{predicted_speedup(r, costs):.2f}x"
-      if r.draft.endswith("+sized") and not r.alphas:
+      if r.draft.endswith(("+sized", "+dynamic")) and not r.alphas:
         pred = "1.00x"  # plain decoding was chosen
       acc = " ".join(f"{a:.2f}" for a in r.alphas)
     rows.append((r.prompt, f"{r.temperature:g}", r.draft, str(r.gamma) if r.alphas else "",
@@ -82,6 +82,11 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
     print("  +sized: the best predicted of plain decoding, the chain and the tree plan_tree sized "
           "from the measured cost curves\n  and the draft's calibrated acceptance (see above); "
           "predicted from its acceptance by depth at the planned cost.", file=out)
+  if any(r.draft.endswith("+dynamic") for r in runs):
+    print("  +dynamic: EAGLE-2's dynamic tree (DynamicTree: the draft's most confident paths, "
+          "chosen each iteration) scoring\n  as many tokens as the +sized plan, one level deeper; "
+          "predicted from its acceptance by depth at the plan's cost plus one draft call.",
+          file=out)
   if any(r.draft.endswith("+tree") for r in runs):
     print("  +tree: a top-k draft tree verified in one target call (tree attention); gamma is "
           "its depth and the acceptance\n  is by depth. Not predicted: the chain formula does "

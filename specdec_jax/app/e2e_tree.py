@@ -8,7 +8,9 @@ tree). With the target's measured cost curves (a call on 1 .. 17 tokens, in a lo
 loop and as the tree loop call it), :func:`~specdec_jax.decoding.plan_tree` picks the tree, and
 ``eagle+sized`` runs the best predicted of plain decoding, the chain (each gamma, with its own
 acceptance) and that tree: on a machine where calls on more tokens are expensive it is a short
-chain or nothing.
+chain or nothing. ``eagle+dynamic`` scores as many tokens as the planned tree, but chooses them
+afresh each iteration from the draft's confidences (:func:`dynamic_tree`, EAGLE-2's dynamic
+tree); where the plan is plain decoding or a chain it runs that.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from specdec_jax import speculative_generate
 from specdec_jax.app.e2e_costs import conditional_acceptance
 from specdec_jax.app.e2e_costs import timed
 from specdec_jax.decoding import DraftTree
+from specdec_jax.decoding import DynamicTree
 from specdec_jax.decoding import TreePlan
 from specdec_jax.decoding import plan_tree
 
@@ -62,6 +65,24 @@ class Sized(NamedTuple):
   speedup: float
   plain_ms: float
   plan: TreePlan
+  draft_step_ms: float = 0.0  # one draft call on a level's nodes (a dynamic tree's extra level)
+
+
+def dynamic_tree(choice: Sized) -> DynamicTree | None:
+  """``eagle+dynamic``'s tree: EAGLE-2's dynamic tree scoring as many tokens as the planned tree.
+
+  The same cost per target call as the plan (``num_draft`` = its nodes), the candidates
+  expanded ``RANKS`` at a time, one level deeper than the plan (a confident path can grow past
+  it for one more draft call); None where the plan is plain decoding or a chain.
+
+  Example:
+    >>> plan = TreePlan(DraftTree.from_branching((3, 1)), 2.0, 1.0, 1.5, ())
+    >>> dynamic_tree(Sized("tree", 2, plan.tree, 2.0, 1.0, 1.5, 1.0, plan))
+    DynamicTree(top_k=4, depth=3, num_draft=6)
+  """
+  if choice.kind != "tree" or choice.tree is None:
+    return None
+  return DynamicTree(top_k=RANKS, depth=choice.tree.depth + 1, num_draft=choice.tree.size - 1)
 
 
 def loop_call_ms(model: Any, tokens: int, max_len: int, *, tree: bool, repeats: int = 5,
@@ -161,14 +182,14 @@ def tree_plan(setup: Any, costs: Any, curves: dict[str, dict[int, float]], tempe
                    fixed_cost=max(sync - step, 0.0))
   chain = call_costs(curves["chain"], verify, costs.sample)
   plain = chain[0]
-  options = [Sized("plain", 0, None, 1.0, plain, 1.0, plain, plan)]
+  options = [Sized("plain", 0, None, 1.0, plain, 1.0, plain, plan, step)]
   for g in range(1, DEPTH + 1):
     e = 1.0 + float(np.sum(np.cumprod(alphas[:g])))
     c = chain[g] + sync + (g - 1) * step
-    options.append(Sized("chain", g, None, e, c, e / c * plain, plain, plan))
+    options.append(Sized("chain", g, None, e, c, e / c * plain, plain, plan, step))
   if plan.tree is not None:
     options.append(Sized("tree", plan.tree.depth, plan.tree, plan.expected_tokens, plan.cost,
-                         plan.expected_tokens / plan.cost * plain, plain, plan))
+                         plan.expected_tokens / plan.cost * plain, plain, plan, step))
   return max(options, key=lambda o: o.speedup), alphas, table
 
 

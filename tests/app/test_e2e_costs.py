@@ -80,3 +80,18 @@ def test_predicted_speedup_of_a_sized_tree_uses_the_plans_cost():
   run = _run("eagle+sized", alphas=(1.0, 0.5), gamma=2, iteration_ms=25.0, plain_ms=15.0)
   plain = 60.0 + 100 * 15.0
   assert e2e_costs.predicted_speedup(run, COSTS) == pytest.approx(plain / (60.0 + 100 / 2.5 * 25.0))
+
+
+def test_the_dynamic_tree_scores_what_the_plan_scores():
+  from specdec_jax.app import e2e_tree
+  from specdec_jax.decoding import DraftTree
+  from specdec_jax.decoding import DynamicTree
+  from specdec_jax.decoding import TreePlan
+
+  tree = DraftTree.from_branching((3, 2))
+  plan = TreePlan(tree, 2.4, 30.0, 1.3, ())
+  choice = e2e_tree.Sized("tree", 2, tree, 2.4, 30.0, 1.3, 23.0, plan, 1.5)
+  assert e2e_tree.dynamic_tree(choice) == DynamicTree(top_k=e2e_tree.RANKS, depth=3,
+                                                      num_draft=tree.size - 1)
+  for kind, gamma in (("plain", 0), ("chain", 2)):  # then it runs what the plan runs
+    assert e2e_tree.dynamic_tree(choice._replace(kind=kind, gamma=gamma, tree=None)) is None
