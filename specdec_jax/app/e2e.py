@@ -237,8 +237,9 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
     if run.draft.endswith(("+sized", "+dynamic")):
       choice = setup.sized[temperature]
       run.iteration_ms, run.plain_ms = choice.cost_ms, choice.plain_ms
-      if run.draft.endswith("+dynamic") and choice.kind == "tree":  # one more draft level
-        run.iteration_ms += choice.draft_step_ms
+      if run.draft.endswith("+dynamic") and choice.kind == "tree":  # its extra draft level
+        extra = e2e_tree.dynamic_tree(choice).depth - choice.gamma
+        run.iteration_ms += extra * choice.draft_step_ms
   return runs
 
 
@@ -250,7 +251,7 @@ def _run_gamma(setup: Setup, name: str, gamma: int | None, tree: tuple[int, ...]
   if name.endswith("+tree"):
     return len(draft_tree(name, tree))
   if name.endswith("+dynamic") and setup.sized[temperature].kind == "tree":
-    return setup.sized[temperature].gamma + 1
+    return e2e_tree.dynamic_tree(setup.sized[temperature]).depth
   if name.endswith(("+sized", "+dynamic")):
     return setup.sized[temperature].gamma
   return draft_gamma(name, gamma)

@@ -72,8 +72,9 @@ def dynamic_tree(choice: Sized) -> DynamicTree | None:
   """``eagle+dynamic``'s tree: EAGLE-2's dynamic tree scoring as many tokens as the planned tree.
 
   The same cost per target call as the plan (``num_draft`` = its nodes), the candidates
-  expanded ``RANKS`` at a time, one level deeper than the plan (a confident path can grow past
-  it for one more draft call); None where the plan is plain decoding or a chain.
+  expanded ``RANKS`` at a time, one level deeper than the plan where it has the nodes for it
+  (a confident path can grow past it for one more draft call); None where the plan is plain
+  decoding or a chain.
 
   Example:
     >>> plan = TreePlan(DraftTree.from_branching((3, 1)), 2.0, 1.0, 1.5, ())
@@ -82,7 +83,8 @@ def dynamic_tree(choice: Sized) -> DynamicTree | None:
   """
   if choice.kind != "tree" or choice.tree is None:
     return None
-  return DynamicTree(top_k=RANKS, depth=choice.tree.depth + 1, num_draft=choice.tree.size - 1)
+  nodes = choice.tree.size - 1
+  return DynamicTree(top_k=RANKS, depth=min(choice.tree.depth + 1, nodes), num_draft=nodes)
 
 
 def loop_call_ms(model: Any, tokens: int, max_len: int, *, tree: bool, repeats: int = 5,

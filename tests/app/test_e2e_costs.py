@@ -93,5 +93,8 @@ def test_the_dynamic_tree_scores_what_the_plan_scores():
   choice = e2e_tree.Sized("tree", 2, tree, 2.4, 30.0, 1.3, 23.0, plan, 1.5)
   assert e2e_tree.dynamic_tree(choice) == DynamicTree(top_k=e2e_tree.RANKS, depth=3,
                                                       num_draft=tree.size - 1)
+  one = DraftTree.from_branching((1,))  # one node: no room for a deeper level
+  assert e2e_tree.dynamic_tree(choice._replace(tree=one, gamma=1)) == DynamicTree(
+    top_k=e2e_tree.RANKS, depth=1, num_draft=1)
   for kind, gamma in (("plain", 0), ("chain", 2)):  # then it runs what the plan runs
     assert e2e_tree.dynamic_tree(choice._replace(kind=kind, gamma=gamma, tree=None)) is None

@@ -79,11 +79,32 @@ def _reference(tree: DynamicTree, row: int):
 
 
 def _level_call(tokens, features, positions, cache, nodes, mask):
-  """A draft whose features carry a code of the path, and whose logits are ``TABLE[code]``."""
-  del positions, nodes, mask
+  """A draft whose features carry a code of the path, and whose logits are ``TABLE[code]``;
+  the cache records what each call was given."""
   code = (features[..., 0].astype(jnp.int32) * 31 + tokens + 1) % 9973
+  cache.append((np.asarray(features[..., 0]), np.asarray(code), np.asarray(positions),
+                np.asarray(nodes), np.asarray(mask)))
   return jnp.asarray(TABLE, jnp.float32)[code % len(TABLE)], code[..., None].astype(
     jnp.float32), cache
+
+
+def _check_draft_calls(calls, tree: DynamicTree, root_codes, root):
+  """Each level's call: ``top_k`` new slots at position ``root + d``, each seeing its own slot
+  and its ancestors' (found by the codes: a node reads the code its parent's call wrote)."""
+  slot_code = {(b, 0): int(c) for b, c in enumerate(root_codes)}
+  ancestors = {(b, 0): {0} for b in range(len(root_codes))}
+  assert len(calls) == tree.depth - 1
+  for d, (parent_codes, codes, positions, nodes, mask) in enumerate(calls, start=1):
+    np.testing.assert_array_equal(nodes, np.arange(1 + (d - 1) * tree.top_k, 1 + d * tree.top_k))
+    np.testing.assert_array_equal(positions, np.broadcast_to(root[:, None] + d, positions.shape))
+    for b in range(len(root_codes)):
+      for t, slot in enumerate(nodes):
+        parent = [s for (r, s), c in slot_code.items() if r == b and c == parent_codes[b, t]]
+        assert len(parent) == 1, (d, b, t)
+        ancestors[b, slot] = ancestors[b, parent[0]] | {int(slot)}
+        assert set(np.flatnonzero(mask[b, t]).tolist()) == ancestors[b, slot], (d, b, t)
+      for t, slot in enumerate(nodes):
+        slot_code[b, int(slot)] = int(codes[b, t])
 
 
 @pytest.mark.parametrize("tree", [DynamicTree(3, 3, 7), DynamicTree(2, 4, 12),
@@ -92,9 +113,11 @@ def test_expansion_and_reranking_match_a_plain_python_eagle2(tree):
   rows = np.arange(ROWS)
   root_logits = jnp.asarray(np.stack([_logits((), r) for r in rows]), jnp.float32)
   root_features = jnp.asarray((rows + 1)[:, None], jnp.float32)
-  drafted, _ = draft_dynamic_tree(tree, _level_call, jnp.zeros(ROWS, jnp.int32), root_logits,
-                                  root_features, None, jnp.full(ROWS, 4, jnp.int32),
-                                  vocab_ids=jnp.asarray(IDS), vocab=16)
+  root = np.array([4, 9, 6], np.int32)
+  drafted, calls = draft_dynamic_tree(tree, _level_call, jnp.zeros(ROWS, jnp.int32), root_logits,
+                                      root_features, [], jnp.asarray(root),
+                                      vocab_ids=jnp.asarray(IDS), vocab=16)
+  _check_draft_calls(calls, tree, rows + 1, root)
   tokens, parents, depths, mask = (np.asarray(a) for a in drafted[:4])
   assert drafted.q is None
   for row in rows:
