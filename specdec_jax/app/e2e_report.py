@@ -84,9 +84,9 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
           "predicted from its acceptance by depth at the planned cost.", file=out)
   if any(r.draft.endswith("+dynamic") for r in runs):
     print("  +dynamic: EAGLE-2's dynamic tree (DynamicTree: the draft's most confident paths, "
-          "chosen each iteration) scoring\n  as many tokens as the +sized plan, one level deeper; "
-          "predicted from its acceptance by depth at the plan's cost plus one draft call.",
-          file=out)
+          "chosen each iteration) scoring\n  as many tokens as the +sized plan, one level deeper "
+          "where its nodes allow; predicted from its acceptance\n  by depth at the plan's cost "
+          "plus that level's draft call.", file=out)
   if any(r.draft.endswith("+tree") for r in runs):
     print("  +tree: a top-k draft tree verified in one target call (tree attention); gamma is "
           "its depth and the acceptance\n  is by depth. Not predicted: the chain formula does "
