@@ -39,7 +39,8 @@ class DynamicTree(NamedTuple):
   """The static budget of EAGLE-2's dynamic draft tree (hashable: a static argument).
 
   Pass it as ``tree=`` to :func:`~specdec_jax.decoding.tree_speculative_generate` with a
-  :class:`~specdec_jax.decoding.FeatureDraft` and ``law="deterministic"``.
+  :class:`~specdec_jax.decoding.FeatureDraft` and ``law="deterministic"``; the target's
+  ``tree_apply_features`` then gets one tree mask per row, ``(B, N, N)``.
 
   Attributes:
     top_k: candidates per expanded node, and nodes expanded per level (EAGLE-2's ``top_k``).
@@ -51,6 +52,10 @@ class DynamicTree(NamedTuple):
     >>> tree = DynamicTree(top_k=4, depth=3, num_draft=8)
     >>> tree.size, tree.num_candidates, tree.num_fed
     (9, 36, 9)
+
+  Reference:
+    Li et al., "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees",
+    arXiv:2406.16858.
   """
 
   top_k: int

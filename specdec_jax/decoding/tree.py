@@ -293,7 +293,8 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
     tree: static :class:`DraftTree` (its ``N`` nodes include the root), or a
       :class:`~specdec_jax.decoding.DynamicTree` (EAGLE-2: each row and iteration drafts its
       own tree of ``N = num_draft + 1`` nodes from the draft's confidences; needs a
-      ``FeatureDraft`` and ``law="deterministic"``).
+      ``FeatureDraft``, ``law="deterministic"`` and a target whose ``tree_apply_features``
+      takes a tree mask per row, ``(B, N, N)``, as the Llama and the toy models do).
     max_new_tokens: static int ``>= 1``.
     params: :class:`~specdec_jax.SamplingParams` for target and draft; fields scalar or ``(B,)``.
     law: static, ``"deterministic"`` (top-k tree) or ``"iid"`` (sampled tree).
