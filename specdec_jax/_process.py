@@ -127,8 +127,9 @@ def process_rows(logits: jax.Array, params: SamplingParams,
     >>> from jax.sharding import PartitionSpec as P
     >>> from specdec_jax import SamplingParams
     >>> mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
-    >>> fn = jax.shard_map(lambda x, p: process_rows(x, p, axis_name="model"), mesh=mesh,
-    ...                    in_specs=(P(None, "model"), P()), out_specs=P(None, "model"))
+    >>> fn = jax.jit(jax.shard_map(lambda x, p: process_rows(x, p, axis_name="model"),
+    ...                            mesh=mesh, in_specs=(P(None, "model"), P()),
+    ...                            out_specs=P(None, "model")))
     >>> params = SamplingParams(jnp.ones(1), jnp.array([2], jnp.int32))
     >>> fn(jnp.array([[0.0, 1.0, 1.0, 0.5]]), params).round(3).tolist()
     [[0.0, 0.5, 0.5, 0.0]]
