@@ -27,6 +27,7 @@ from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate
 from specdec_jax.decoding.adaptive import acceptance
 from specdec_jax.decoding.adaptive import choose_num_draft
+from specdec_jax.decoding.adaptive import policy_efficiency
 from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import propose_features
@@ -156,26 +157,44 @@ def test_choose_num_draft_follows_the_cost_model():
   np.testing.assert_array_equal(choose_num_draft(POLICY, counts, gamma=4), [0, 4, 3])
   free = AdaptiveSpeculation(draft_cost=0.0, verify_cost=0.0, fixed_cost=0.0)
   np.testing.assert_array_equal(choose_num_draft(free, counts, gamma=4), [4, 4, 4])
-  # Without proposals the counts decay towards the prior: the row probes again.
-  stuck = jnp.array([[0.0, 10.0]])
-  steps = 0
-  while int(choose_num_draft(POLICY, stuck, gamma=4)[0]) == 0:
-    stuck = update_counts(POLICY, stuck, jnp.array([0]), jnp.array([0]), jnp.array([True]))
-    steps += 1
-  assert 1 <= steps <= 20
+  # Without proposals the counts decay towards the prior, by idle_decay: the row probes again,
+  # the later the slower they decay. Here k = 1 pays once alpha > 0.19, i.e. F < 3.26: after
+  # n idle steps with 10 * idle_decay^n < 3.26.
+  for idle, want in ((0.98, 56), (0.9, 11)):
+    policy = POLICY._replace(idle_decay=idle)
+    stuck = jnp.array([[0.0, 10.0]])
+    steps = 0
+    while int(choose_num_draft(policy, stuck, gamma=4)[0]) == 0:
+      stuck = update_counts(policy, stuck, jnp.array([0]), jnp.array([0]), jnp.array([True]))
+      steps += 1
+    assert steps == want, (idle, steps)
+
+
+def test_slow_idle_decay_bounds_the_loss_of_a_draft_that_never_hits():
+  """Under the policy's own cost model, a draft that is never accepted costs under 5% against
+  plain decoding at the default ``idle_decay`` (probing less often), more when idle iterations
+  decay as fast as the evidence; a good draft gains the same either way."""
+  policy = AdaptiveSpeculation(draft_cost=0.0, verify_cost=0.04, fixed_cost=0.1)
+  fast = policy._replace(idle_decay=policy.decay)
+  assert policy_efficiency(policy, 0.0, gamma=4) >= 0.97
+  assert policy_efficiency(fast, 0.0, gamma=4) < 0.95
+  assert policy_efficiency(policy, 0.6, gamma=4) == pytest.approx(
+    policy_efficiency(fast, 0.6, gamma=4), rel=0.01)
+  assert policy_efficiency(policy, 0.6, gamma=4) > 1.7
 
 
 def test_update_counts_counts_a_failure_only_below_full_acceptance():
   """``S <- decay S + n``, ``F <- decay F + [n < k]``: a step that accepted all its ``k > 0``
   proposals is no failure (counting one lowers the estimate: fewer proposals, same output)."""
-  d = POLICY.decay
+  d, idle = POLICY.decay, POLICY.idle_decay
+  assert d != idle
   counts = jnp.tile(jnp.array([[2.0, 1.0]]), (5, 1))
   proposed = jnp.array([3, 3, 3, 0, 3], jnp.int32)
   accepted = jnp.array([3, 1, 0, 0, 3], jnp.int32)
   active = jnp.array([True, True, True, True, False])
   new = update_counts(POLICY, counts, proposed, accepted, active)
   np.testing.assert_allclose(new, [[2 * d + 3, d], [2 * d + 1, d + 1], [2 * d, d + 1],
-                                   [2 * d, d], [2.0, 1.0]], rtol=1e-6)
+                                   [2 * idle, idle], [2.0, 1.0]], rtol=1e-6)
   # From the prior alone, one full acceptance of 3: alpha = (1 + 3) / (2 + 3 + 0).
   after = update_counts(POLICY, jnp.zeros((1, 2)), jnp.array([3]), jnp.array([3]),
                         jnp.array([True]))
@@ -218,7 +237,7 @@ EXACT_DRAFTS = {
   "adaptive-feature": make_toy_feature_draft(EXACT_TARGET, noise=2.0, key=jax.random.key(13)),
 }
 EXACT_POLICY = AdaptiveSpeculation(draft_cost=0.05, verify_cost=0.04, fixed_cost=0.05,
-                                   decay=0.5)
+                                   decay=0.5, idle_decay=0.5)
 
 
 @functools.cache
@@ -348,7 +367,8 @@ def test_each_streamed_chunk_runs_chunk_iterations_iterations():
 def test_adaptive_proposals_follow_the_estimator_in_the_loop():
   """The documented estimator replayed on each iteration's accepted count (streamed one
   iteration per chunk) predicts every row's proposals: ``k = min(budget, k*(counts))``, then
-  ``S <- decay S + n``, ``F <- decay F + [n < k]`` (no failure after a full acceptance)."""
+  ``S <- decay S + n``, ``F <- decay F + [n < k]`` (no failure after a full acceptance), or
+  both times ``idle_decay`` where ``k = 0``."""
   out, per_iteration = _streamed(1)
   prompt = np.asarray(PROMPT_LENGTHS)
   lengths = np.stack([prompt + 1] + [n for _, n in per_iteration])  # the prefill emits one
@@ -365,7 +385,8 @@ def test_adaptive_proposals_follow_the_estimator_in_the_loop():
     assert ((0 <= n) & (n <= k)).all()
     full += int(np.sum(active & (k > 0) & (n == k)))
     new = np.stack([n, (k > 0) & (n < k)], axis=1).astype(np.float32)
-    counts = np.where(active[:, None], np.float32(POLICY.decay) * counts + new, counts)
+    decay = np.where(k > 0, np.float32(POLICY.decay), np.float32(POLICY.idle_decay))
+    counts = np.where(active[:, None], decay[:, None] * counts + new, counts)
     proposed += k
     accepted += n
   assert full >= 3  # full acceptances happen, and the estimate must not count them as failures
@@ -380,3 +401,7 @@ def test_streaming_arguments_are_checked():
     _run(PromptLookup(), on_tokens=3)
   with pytest.raises(ValueError, match=r"`adaptive.decay` must be in \(0, 1\)"):
     _run(PromptLookup(), adaptive=AdaptiveSpeculation(decay=1.5))
+  for idle in (0.0, 1.5, -0.1):
+    with pytest.raises(ValueError, match=r"speculative_generate: `adaptive.idle_decay` must be "
+                                         r"in \(0, 1\], got"):
+      _run(PromptLookup(), adaptive=AdaptiveSpeculation(idle_decay=idle))

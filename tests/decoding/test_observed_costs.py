@@ -213,7 +213,7 @@ def _exact_counts(monkeypatch, verifier, seed):
     np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32), jax.random.key(seed), gamma=GAMMA,
     max_new_tokens=EXACT_NEW, params=EXACT_PARAMS, verifier=verifier,
     adaptive=AdaptiveSpeculation(draft_cost=0.05, verify_cost=0.04, fixed_cost=0.05, decay=0.5,
-                                 observe=1))
+                                 idle_decay=0.5, observe=1))
   np.testing.assert_array_equal(out.num_new, EXACT_NEW)
   np.testing.assert_array_equal(out.error, 0)
   tokens = np.asarray(out.tokens)[:, len(EXACT_PROMPT):]
