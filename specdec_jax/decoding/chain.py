@@ -27,7 +27,6 @@ from specdec_jax.decoding.args import check_same_vocab
 from specdec_jax.decoding.args import model_fns
 from specdec_jax.decoding.args import row_keys as make_row_keys
 from specdec_jax.decoding.chain_loop import Verifier
-from specdec_jax.decoding.chain_loop import run_one as run_one
 from specdec_jax.decoding.chain_loop import speculative_loop
 from specdec_jax.decoding.chain_loop import streamed_loop
 from specdec_jax.decoding.data_parallel import run_loop

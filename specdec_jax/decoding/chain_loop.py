@@ -1,10 +1,10 @@
 """The chain loop of :func:`~specdec_jax.decoding.speculative_generate`, traced, and its drivers.
 
-The loop's pieces (prefill, condition, body: draft, one target call, verify), the adaptive
-width's branches (:func:`run_one`), and the jitted programs that run them: the whole loop at
-once (:func:`speculative_loop`) or in chunks with the state carried between them, for
-streaming (:func:`streamed_loop`). :mod:`specdec_jax.decoding.chain` checks the arguments,
-picks one of them and re-exports these names.
+The loop's pieces (prefill, condition, body: draft, one target call at the adaptive width
+through :func:`~specdec_jax.decoding.common.run_one`, verify), and the jitted programs that run
+them: the whole loop at once (:func:`speculative_loop`) or in chunks with the state carried
+between them, for streaming (:func:`streamed_loop`). :mod:`specdec_jax.decoding.chain` checks
+the arguments, picks one of them and re-exports these names.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from specdec_jax.decoding.common import prefill
 from specdec_jax.decoding.common import prefill_and_start
 from specdec_jax.decoding.common import processed
 from specdec_jax.decoding.common import reads_lazily
+from specdec_jax.decoding.common import run_one
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.drafts import FeatureFns
@@ -192,32 +193,6 @@ def verify_step(verifier: Verifier, logits, params, q_rows, q, draft, uniforms, 
 
   return jax.vmap(one, in_axes=(axes, None if q_rows is None else 0, 0, 0, 0))(
     rows, q_rows, draft, uniforms, num_draft)
-
-
-def run_one(index: jax.Array, branches, cache):
-  """``branches[index](cache)``, each branch returning ``(out, cache, extra)``, with the KV
-  cache updated in place.
-
-  ``lax.switch`` would do, but XLA copies a large operand into a conditional and again inside
-  each branch before writing to it (four copies of the cache per iteration, seen in the
-  compiled CPU HLO); a ``lax.while_loop`` per branch that runs once or not at all carries the
-  cache in place. Only the model call sits in the branches: processing the logits and
-  verifying inside them cost ~7 ms per iteration on SmolLM2 (CPU), outside nothing.
-  """
-  def loop(branch):
-    def body(carry):
-      out, c, extra = branch(carry[1])
-      return jnp.int32(-1), c, (out, extra)
-    return body
-
-  shape = jax.eval_shape(lambda c: (lambda r: (r[0], r[2]))(branches[0](c)), cache)
-  done = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shape)
-  flag = index.astype(jnp.int32)
-  for k, branch in enumerate(branches):
-    flag, cache, done = lax.while_loop(lambda carry, k=k: carry[0] == k, loop(branch),
-                                       (flag, cache, done))
-  out, extra = done
-  return out, cache, extra
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

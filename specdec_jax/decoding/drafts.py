@@ -18,6 +18,7 @@ from jax import lax
 from specdec_jax._logits import sample_unchecked
 from specdec_jax.decoding.common import batch_rows
 from specdec_jax.decoding.common import model_ids
+from specdec_jax.decoding.common import run_one
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.models.protocol import FeatureDraft
 from specdec_jax.models.protocol import Model
@@ -158,26 +159,21 @@ def propose_features(draft: FeatureFns, draft_params, state, tokens, lengths, st
   """Up to ``gamma`` proposals from a :class:`FeatureDraft`: a sync call, then single steps.
 
   ``state = (cache, features (B, gamma + 1, D), start (B,))``: the target's features at
-  positions ``start - 1 .. start + gamma - 1`` from its last call. The sync call feeds the
-  tokens at ``start .. start + gamma`` with those features; the output at ``L - 1`` (index
-  ``L - 1 - start``, within the window since the target emitted at most ``gamma + 1`` tokens)
-  gives the first proposal, and each further step feeds the last proposal with the draft's own
-  predicted feature. Slots past ``L - 1`` hold stale entries, overwritten before they are read.
+  positions ``start - 1 .. start + gamma - 1`` from its last call. The sync call
+  (:func:`feature_sync`) feeds the tokens emitted since, at ``start .. L - 1``, with those
+  features; its output at ``L - 1`` gives the first proposal, and each further step feeds the
+  last proposal with the draft's own predicted feature.
 
   Returns:
     ``(draft (B, gamma) int32, q (B, gamma, V), cache)``.
   """
   cache, features, start = state
   params_d, vocab_ids = draft_params
-  rows = batch_rows(tokens.shape[0])
-  window = jnp.arange(gamma + 1, dtype=jnp.int32)
-  positions = jnp.clip(start[:, None] + window[None], 0, cache_len - 1)
-  inputs = tokens[rows[:, None], jnp.clip(positions, 0, tokens.shape[1] - 1)]
-  logits, predicted, cache = draft.apply(params_d, model_ids(inputs, vocab), features, positions,
-                                         cache)
-  at = jnp.clip(lengths - 1 - start, 0, gamma)
+  first_logits, first_feature, cache = feature_sync(draft, params_d, cache, features, start,
+                                                    tokens, lengths, cache_len=cache_len,
+                                                    vocab=vocab)
   sample = draft_sampler(step_keys, params, vocab, vocab_ids)
-  first, first_q = sample(0, logits[rows, at])
+  first, first_q = sample(0, first_logits)
   last = lengths - 1
 
   def step(j, token, carry):
@@ -187,9 +183,45 @@ def propose_features(draft: FeatureFns, draft_params, state, tokens, lengths, st
     token, q = sample(j, logits[:, 0])
     return token, q, (cache, feature)
 
-  tokens_out, q, (cache, _) = run_ahead(step, first, first_q, (cache, predicted[rows, at][:, None]),
+  tokens_out, q, (cache, _) = run_ahead(step, first, first_q, (cache, first_feature[:, None]),
                                         gamma=gamma, steps=gamma if steps is None else steps)
   return tokens_out, q, cache
+
+
+def feature_sync(draft: FeatureFns, params_d, cache, features, start, tokens, lengths, *,
+                 cache_len: int, vocab: int):
+  """A feature draft's sync call: it reads the tokens the target emitted since its last call.
+
+  ``features (B, W, D)`` are the target's at positions ``start - 1 .. start + W - 2`` from that
+  call, which emitted ``lengths - start`` tokens per row (at most ``W``). The call feeds the
+  tokens at ``start .. start + w - 1`` with those features, ``w`` the batch's largest
+  ``lengths - start``: one compiled branch per ``w`` (:func:`~specdec_jax.decoding.common.run_one`),
+  so after an iteration that proposed nothing (adaptive speculation) or rejected early the
+  call reads one or two tokens, not ``W``: the head over the draft vocabulary is most of a
+  small draft's cost. Slots past ``L - 1`` are not written here; the draft's own steps write
+  them before they read them.
+
+  Returns:
+    ``(logits (B, K), feature (B, D), cache)``: the draft's output at position ``L - 1``
+    (its first proposal's logits, and the feature it predicts there).
+  """
+  rows = batch_rows(tokens.shape[0])
+  window = features.shape[1]
+  positions = jnp.clip(start[:, None] + jnp.arange(window, dtype=jnp.int32)[None], 0,
+                       cache_len - 1)
+  inputs = model_ids(tokens[rows[:, None], jnp.clip(positions, 0, tokens.shape[1] - 1)], vocab)
+  at = jnp.clip(lengths - 1 - start, 0, window - 1)  # L - 1's index in the window
+
+  def call(width: int):
+    def run(cache):
+      logits, predicted, cache = draft.apply(params_d, inputs[:, :width], features[:, :width],
+                                             positions[:, :width], cache)
+      pick = jnp.minimum(at, width - 1)
+      return logits[rows, pick], cache, predicted[rows, pick]
+    return run
+
+  logits, cache, feature = run_one(jnp.max(at), [call(w) for w in range(1, window + 1)], cache)
+  return logits, feature, cache
 
 
 def feature_prefill(draft: FeatureFns, draft_params, prompt, prompt_lengths, target_features, *,

@@ -42,6 +42,7 @@ from specdec_jax.decoding.draft_tree import tree_model_fns
 from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import feature_fns
 from specdec_jax.decoding.drafts import feature_prefill
+from specdec_jax.decoding.drafts import feature_sync
 from specdec_jax.decoding.dynamic_tree import DynamicTree
 from specdec_jax.decoding.dynamic_tree import check_dynamic_tree
 from specdec_jax.decoding.dynamic_tree import draft_dynamic_tree
@@ -129,14 +130,11 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
     the feature its parent predicted (EAGLE-2's tree drafting)."""
     cache, features, begin = s.draft_cache
     params_d = draft_params[0]
-    window = jnp.clip(begin[:, None] + jnp.arange(depth + 1, dtype=jnp.int32)[None], 0,
-                      cache_len - 1)
-    inputs = s.tokens[rows[:, None], jnp.clip(window, 0, s.tokens.shape[1] - 1)]
-    logits, predicted, cache = draft.apply(params_d, model_ids(inputs, vocab), features, window,
-                                           cache)
-    at = jnp.clip(root - begin, 0, depth)  # the root's index in the window
-    node_features = jnp.zeros((batch, size, predicted.shape[-1]), predicted.dtype)
-    node_features = node_features.at[:, 0].set(predicted[rows, at])
+    root_logits, first_feature, cache = feature_sync(draft, params_d, cache, features, begin,
+                                                     s.tokens, root + 1, cache_len=cache_len,
+                                                     vocab=vocab)
+    node_features = jnp.zeros((batch, size, first_feature.shape[-1]), first_feature.dtype)
+    node_features = node_features.at[:, 0].set(first_feature)
 
     def level_call(d, level, node_tokens, carry):
       cache, node_features = carry
@@ -146,7 +144,7 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
         jnp.clip(positions, 0, cache_len - 1), cache, root, jnp.asarray(level), mask[level])
       return logits, (cache, node_features.at[:, level].set(g))
 
-    return logits[rows, at][:, None], (cache, node_features), level_call
+    return root_logits[:, None], (cache, node_features), level_call
 
   def static_draft(root_logits, carry, level_call, s: SpecState, root, step_keys):
     """Draft the static tree level by level: a first call gives the root's candidates, then

@@ -30,6 +30,7 @@ from specdec_jax.decoding.adaptive import choose_num_draft
 from specdec_jax.decoding.adaptive import policy_efficiency
 from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.drafts import FeatureFns
+from specdec_jax.decoding.drafts import feature_sync
 from specdec_jax.decoding.drafts import propose_features
 from specdec_jax.models import eagle
 from specdec_jax.models import llama
@@ -93,6 +94,44 @@ def test_features_reach_the_draft_at_the_right_positions():
   # Proposal j is the token after position L - 1 + j: position L + j.
   np.testing.assert_array_equal(draft, lengths[:, None] + jnp.arange(gamma)[None])
   assert not np.isnan(np.asarray(q)).any()
+
+
+def test_the_sync_call_reads_only_the_tokens_emitted_since_the_last_call():
+  """feature_sync feeds the batch's largest number of new tokens, not the whole window: its
+  output at ``L - 1`` and the cache before ``L`` are those of a call on the whole window, and
+  the slots after the batch's last new token are left as they were."""
+  config = llama.LlamaConfig(vocab_size=24, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                             head_dim=8, ffn_dim=32, max_position=32)
+  target = llama.init_params(jax.random.key(0), config)
+  draft = eagle.make_eagle_draft(eagle.init_weights(jax.random.key(1), config), np.arange(10),
+                                 target, config)
+  fns = FeatureFns(draft.apply, draft.init_cache, 10)
+  gamma, cache_len, batch = 3, 16, 3
+  k_tok, k_feat, k_prev = jax.random.split(jax.random.key(2), 3)
+  tokens = jax.random.randint(k_tok, (batch, cache_len), 0, 24, jnp.int32)
+  features = jax.random.normal(k_feat, (batch, gamma + 1, config.dim), jnp.float32)
+  # A cache the draft filled earlier (noise: every slot the sync leaves alone is recognisable).
+  cache = jax.tree.map(lambda a: jax.random.normal(k_prev, a.shape, a.dtype),
+                       draft.init_cache(batch, cache_len))
+  start = jnp.array([5, 6, 4], jnp.int32)
+  new = np.array([1, 3, 2])  # tokens the target emitted since: the sync reads 3 per row
+  lengths = start + new
+  logits, feature, synced = feature_sync(fns, draft.params, cache, features, start, tokens,
+                                         lengths, cache_len=cache_len, vocab=24)
+
+  positions = start[:, None] + jnp.arange(gamma + 1)[None]
+  full_logits, full_features, full = draft.apply(
+    draft.params, jnp.take_along_axis(tokens, positions, axis=1), features, positions, cache)
+  rows, at = np.arange(batch), np.asarray(lengths - 1 - start)
+  np.testing.assert_allclose(logits, full_logits[rows, at], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(feature, full_features[rows, at], atol=1e-5, rtol=1e-5)
+  for b in range(batch):
+    last = int(lengths[b])  # slots 0 .. L - 1 as after the whole window
+    np.testing.assert_allclose(synced.k[:, b, :, :last], full.k[:, b, :, :last], atol=1e-5)
+    np.testing.assert_allclose(synced.v[:, b, :, :last], full.v[:, b, :, :last], atol=1e-5)
+    untouched = int(start[b]) + new.max()  # the call was new.max() = 3 tokens wide
+    np.testing.assert_array_equal(synced.k[:, b, :, untouched:], cache.k[:, b, :, untouched:])
+    assert not np.allclose(full.k[:, b, :, untouched], cache.k[:, b, :, untouched])
 
 
 @pytest.mark.parametrize(("verifier", "adaptive"), [
