@@ -102,10 +102,11 @@ def summarize(runs: Sequence[Run], out=sys.stdout) -> None:
     speed = (r.new_tokens / r.seconds) / (base.new_tokens / base.seconds)
     groups.setdefault((r.prompt, r.temperature, r.draft), []).append((r.tokens_per_call, speed))
   print("  mean over seeds (min .. max)", file=out)
-  header = f"  {'prompt':<11} {'temp':>4}  {'draft':<12} {'seeds':>5}  {'tok/call':<22}  speed-up"
-  print(header, file=out)
+  rows = []
   for (prompt, temperature, draft), values in groups.items():
     calls, speeds = np.array(values).T
-    print(f"  {prompt:<11} {temperature:>4g}  {draft:<12} {len(values):>5}  "
-          f"{calls.mean():.2f} ({calls.min():.2f} .. {calls.max():.2f}){'':<6}  "
-          f"{speeds.mean():.2f}x ({speeds.min():.2f} .. {speeds.max():.2f})", file=out)
+    rows.append([prompt, f"{temperature:g}", draft, str(len(values)),
+                 f"{calls.mean():.2f} ({calls.min():.2f} .. {calls.max():.2f})",
+                 f"{speeds.mean():.2f}x ({speeds.min():.2f} .. {speeds.max():.2f})"])
+  print(format_table(["prompt", "temp", "draft", "seeds", "tok/call", "speed-up"], rows,
+                     align="lrlrll", indent=2), file=out)

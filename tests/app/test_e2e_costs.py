@@ -98,3 +98,31 @@ def test_the_dynamic_tree_scores_what_the_plan_scores():
     top_k=e2e_tree.RANKS, depth=1, num_draft=1)
   for kind, gamma in (("plain", 0), ("chain", 2)):  # then it runs what the plan runs
     assert e2e_tree.dynamic_tree(choice._replace(kind=kind, gamma=gamma, tree=None)) is None
+
+
+def test_the_mean_over_seeds_is_an_aligned_table_of_each_variant():
+  import io
+
+  from specdec_jax.app.e2e_report import Run
+  from specdec_jax.app.e2e_report import summarize
+
+  def run(draft, seed, seconds, per_call):
+    return Run("open-ended", draft, 0.7, 2, seconds, 0.0, 64, "", [], tokens_per_call=per_call,
+               seed=seed)
+
+  runs = [run("plain", s, 2.0, 1.0) for s in range(3)]
+  runs += [run("eagle-adaptive", s, t, c) for s, t, c in [(0, 1.0, 2.0), (1, 2.0, 1.5),
+                                                           (2, 4.0, 1.0)]]
+  out = io.StringIO()
+  summarize(runs, out)
+  lines = out.getvalue().splitlines()
+  assert lines[0].strip() == "mean over seeds (min .. max)"
+  header, rule, plain, eagle = lines[1:]
+  assert eagle.split() == ["open-ended", "0.7", "eagle-adaptive", "3", "1.50", "(1.00", "..",
+                           "2.00)", "1.17x", "(0.50", "..", "2.00)"]
+  assert plain.split()[2:4] == ["plain", "3"]
+  # the columns line up whatever the width of the draft's name (left: text, right: numbers)
+  assert eagle.index("1.50 (") == plain.index("1.00 (") == header.index("tok/call")
+  assert eagle.index("1.17x") == plain.index("1.00x (") == header.index("speed-up")
+  assert eagle.index(" 3 ") + 2 == plain.index(" 3 ") + 2 == header.index("seeds") + 5
+  assert set(rule) == {" ", "-"}
