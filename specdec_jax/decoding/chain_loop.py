@@ -40,7 +40,9 @@ from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import PromptLookup
 from specdec_jax.decoding.drafts import feature_prefill
+from specdec_jax.decoding.drafts import next_features
 from specdec_jax.decoding.drafts import propose_features
+from specdec_jax.decoding.drafts import propose_features_when
 from specdec_jax.decoding.drafts import propose_lookup
 from specdec_jax.decoding.drafts import propose_model
 from specdec_jax.decoding.types import ModelFns
@@ -115,11 +117,16 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
         draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
         cache_len=cache_len, steps=steps)
       draft_calls = s.draft_calls + steps
-    elif is_feature:
+    elif is_feature and adaptive is None:
       draft_tokens, q, feature_cache = propose_features(
         draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
         cache_len=cache_len, vocab=vocab, steps=steps)
       draft_calls = s.draft_calls + steps
+    elif is_feature:  # adaptive: no draft work in an iteration without proposals
+      draft_tokens, q, feature_cache, synced = propose_features_when(
+        draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
+        cache_len=cache_len, vocab=vocab, steps=steps, propose=jnp.max(want) > 0)
+      draft_calls = s.draft_calls + jnp.where(jnp.max(want) > 0, steps, synced.astype(jnp.int32))
     else:
       draft_tokens, q, found = propose_lookup(draft, s.tokens, s.lengths, gamma=gamma,
                                               vocab=vocab)
@@ -157,8 +164,10 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
         jnp.max(num_draft), [score(k) for k in range(gamma + 1)], s.target_cache)
     result = verify_step(verifier, logits, params, None if is_lookup else q, q, draft_tokens,
                          uniforms, num_draft, vocab=vocab)
-    if is_feature:
+    if is_feature and adaptive is None:
       draft_cache = (feature_cache, feats, s.lengths)
+    elif is_feature:
+      draft_cache = (feature_cache, *next_features(s.draft_cache, feats, s.lengths, synced))
     new = after_verify(s, result, common, active=active, target_cache=target_cache,
                        draft_cache=draft_cache, draft_calls=draft_calls, proposals=num_draft,
                        depth=num_draft)

@@ -31,7 +31,9 @@ from specdec_jax.decoding.adaptive import policy_efficiency
 from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import feature_sync
+from specdec_jax.decoding.drafts import next_features
 from specdec_jax.decoding.drafts import propose_features
+from specdec_jax.decoding.drafts import propose_features_when
 from specdec_jax.models import eagle
 from specdec_jax.models import llama
 from specdec_jax.models.toy import make_toy_feature_draft
@@ -132,6 +134,51 @@ def test_the_sync_call_reads_only_the_tokens_emitted_since_the_last_call():
     untouched = int(start[b]) + new.max()  # the call was new.max() = 3 tokens wide
     np.testing.assert_array_equal(synced.k[:, b, :, untouched:], cache.k[:, b, :, untouched:])
     assert not np.allclose(full.k[:, b, :, untouched], cache.k[:, b, :, untouched])
+
+
+def test_a_put_off_sync_gives_the_draft_what_a_sync_every_iteration_gives():
+  """Adaptive speculation without proposals puts the sync call off (propose_features_when):
+  after three such iterations (the window full: one sync on 3 tokens) and one that proposes,
+  the draft's cache, proposals and q are those of a draft synced after every iteration."""
+  config = llama.LlamaConfig(vocab_size=24, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                             head_dim=8, ffn_dim=32, max_position=32)
+  target = llama.init_params(jax.random.key(0), config)
+  draft = eagle.make_eagle_draft(eagle.init_weights(jax.random.key(1), config), np.arange(10),
+                                 target, config)
+  fns, params_d = FeatureFns(draft.apply, draft.init_cache, 10), (draft.params, jnp.arange(10))
+  gamma, cache_len, batch = 2, 16, 2
+  k_tok, k_feat, k_prev = jax.random.split(jax.random.key(2), 3)
+  tokens = jax.random.randint(k_tok, (batch, cache_len), 0, 24, jnp.int32)
+  feats = jax.random.normal(k_feat, (batch, cache_len, config.dim), jnp.float32)  # f[t]
+  cache = jax.tree.map(lambda a: jax.random.normal(k_prev, a.shape, a.dtype),
+                       draft.init_cache(batch, cache_len))
+  rows = jnp.arange(batch)
+
+  def target_call(lengths):  # features of a width-0 call on the token at L - 1, padded
+    return jnp.zeros((batch, gamma + 1, config.dim)).at[:, 0].set(feats[rows, lengths - 1])
+
+  keys = jax.random.split(jax.random.key(3), batch)
+  greedy = SamplingParams(jnp.zeros(batch))
+  kw = dict(gamma=gamma, cache_len=cache_len, vocab=24, steps=jnp.int32(gamma))
+  start = jnp.array([4, 6], jnp.int32)
+  first = (cache, target_call(start), start)
+  put_off, every = first, first
+  synced_at = []
+  for step in range(4):  # three iterations without proposals, then one with
+    lengths = start + 1 + step  # one token emitted by each call: the last call's, at L - 1
+    propose = jnp.asarray(step == 3)
+    out = propose_features_when(fns, params_d, put_off, tokens, lengths, keys, greedy,
+                                propose=propose, **kw)
+    synced_at.append(bool(out[3]))
+    put_off = (out[2], *next_features(put_off, target_call(lengths), lengths, out[3]))
+    ref = propose_features(fns, params_d, every, tokens, lengths, keys, greedy, **kw)
+    every = (ref[2], target_call(lengths), lengths)
+  assert synced_at == [False, False, True, True]  # the window of 3 filled, then a proposal
+  np.testing.assert_array_equal(out[0], ref[0])
+  np.testing.assert_allclose(out[1], ref[1], atol=1e-5)
+  last = int(jnp.max(lengths))
+  np.testing.assert_allclose(put_off[0].k[:, :, :, :last], every[0].k[:, :, :, :last], atol=1e-5)
+  np.testing.assert_allclose(put_off[0].v[:, :, :, :last], every[0].v[:, :, :, :last], atol=1e-5)
 
 
 @pytest.mark.parametrize(("verifier", "adaptive"), [
