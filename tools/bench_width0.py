@@ -6,8 +6,9 @@ with the committed EAGLE draft under an ``AdaptiveSpeculation`` whose ``fixed_co
 every iteration propose nothing. Every variant is compiled first, then timed in turn each round
 (median), so the ratios are side by side. What a never-proposing loop loses against plain
 decoding is the loop's own work per iteration at width 0, the floor of adaptive speculation's
-"never much worse than plain decoding". To compare two checkouts, run it with ``PYTHONPATH``
-pointing at each, back to back. Needs the ``model`` extra.
+"never much worse than plain decoding", plus what its longer KV cache (``gamma`` more slots)
+costs: so plain decoding is also timed with a cache 2 and 4 slots longer. To compare two
+checkouts, run it with ``PYTHONPATH`` pointing at each, back to back. Needs the ``model`` extra.
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ def main() -> None:
     return lambda: speculative_generate(setup.target, draft, prompt, lengths, key, gamma=gamma,
                                         max_new_tokens=n, params=params, adaptive=never)
 
-  variants = {"plain": lambda: generate(setup.target, prompt, lengths, key, max_new_tokens=n,
-                                        params=params),
+  def plain(extra=0):  # the chain loop's KV cache has gamma more slots than plain decoding's
+    return lambda: generate(setup.target, prompt, lengths, key, max_new_tokens=n, params=params,
+                            max_len=len(ids) + n + extra)
+
+  variants = {"plain": plain(), "plain, cache + 2": plain(2), "plain, cache + 4": plain(4),
               "lookup, never proposing": loop(PromptLookup(), 4),
+              "lookup, gamma 2": loop(PromptLookup(), 2),
               "eagle, never proposing": loop(setup.drafts["eagle"], 2)}
   end = len(ids) + n
   plain_tokens = jax.block_until_ready(variants["plain"]()).tokens[:, :end]
