@@ -7,7 +7,7 @@ every iteration propose nothing. Every variant is compiled first, then timed in 
 (median), so the ratios are side by side. What a never-proposing loop loses against plain
 decoding is the loop's own work per iteration at width 0, the floor of adaptive speculation's
 "never much worse than plain decoding", plus what its longer KV cache (``gamma`` more slots)
-costs: so plain decoding is also timed with a cache 2 and 4 slots longer. To compare two
+costs: so plain decoding is also timed with a cache 1, 2, 4 and 8 slots longer. To compare two
 checkouts, run it with ``PYTHONPATH`` pointing at each, back to back. Needs the ``model`` extra.
 """
 
@@ -50,7 +50,8 @@ def main() -> None:
     return lambda: generate(setup.target, prompt, lengths, key, max_new_tokens=n, params=params,
                             max_len=len(ids) + n + extra)
 
-  variants = {"plain": plain(), "plain, cache + 2": plain(2), "plain, cache + 4": plain(4),
+  variants = {"plain": plain(), "plain, cache + 1": plain(1), "plain, cache + 2": plain(2),
+              "plain, cache + 4": plain(4), "plain, cache + 8": plain(8),
               "lookup, never proposing": loop(PromptLookup(), 4),
               "lookup, gamma 2": loop(PromptLookup(), 2),
               "eagle, never proposing": loop(setup.drafts["eagle"], 2)}
