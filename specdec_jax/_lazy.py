@@ -37,6 +37,7 @@ from specdec_jax._checks import compute_dtype
 from specdec_jax._row_passes import block_maxima
 from specdec_jax._row_passes import exp_sums
 from specdec_jax._row_passes import first_max
+from specdec_jax._row_passes import nan_rows
 from specdec_jax._row_passes import top_candidates
 from specdec_jax._threshold import any_if
 from specdec_jax._threshold import full_vocab
@@ -258,10 +259,12 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None) -> Logi
   zeros = jnp.zeros((rows,), dtype)
   maxima = None
   if axis_name is None:
-    # One read: block maxima; the row max, the flags and (from one block) the argmax follow.
+    # One read: block maxima; the row max, the flags and (from one block) the argmax follow
+    # (and one sum for the NaN flag).
     maxima = block_maxima(logits)
     raw_top = jnp.max(maxima, axis=-1)
-    broken = ~jnp.isfinite(raw_top)  # NaN or +inf somewhere (max propagates), or all -inf
+    # +inf somewhere or all -inf (the max tells), or a NaN (the max may drop it: a sum tells)
+    broken = ~jnp.isfinite(raw_top) | nan_rows(logits)
     top = jnp.where(broken, zeros, raw_top.astype(dtype))
     argmax = first_max(logits, maxima, raw_top)
     greedy = ~(temperature > 0)

@@ -243,3 +243,32 @@ def test_no_processed_copy_in_the_compiled_program():
     params, max_spec_len=spec, bonus_rows=True, rule="token", pad_id=-1)
   largest = _largest_materialised(lowered.compile().as_text())
   assert largest < total * vocab, largest  # one processed copy of the draft rows would be T * V
+
+
+@pytest.mark.parametrize("vocab", [514, 2400, 32000])
+def test_a_nan_anywhere_in_a_long_row_breaks_it(vocab):
+  """XLA:CPU's max reductions drop NaN from rows of 2,400 entries or more, so the block
+  maxima alone would leave a NaN row unbroken: greedy rows then returned a token with
+  ``valid`` set. Every kind of row (greedy, temperature, top-k, top-p) with one NaN, at the
+  first, a middle and the last id, reads as broken; the verifier says so."""
+  rng = np.random.default_rng(vocab)
+  params = sd.SamplingParams(jnp.asarray([0.0, 1.0, 0.7, 0.7, 1.0, 0.0], jnp.float32),
+                             jnp.asarray([0, 0, 20, 0, 5, 3], jnp.int32),
+                             jnp.asarray([1.0, 1.0, 1.0, 0.9, 0.5, 1.0], jnp.float32))
+  for where in (0, vocab // 2 + 3, vocab - 1):
+    x = rng.normal(size=(6, vocab)).astype(np.float32)
+    x[:, where] = np.nan
+    x[5, where] = 0.0  # the control row: no NaN
+    stats = jax.jit(logit_stats)(jnp.asarray(x), params)
+    np.testing.assert_array_equal(np.asarray(stats.broken), [True] * 5 + [False])
+  # End to end: greedy and sampled sequences whose target rows hold a NaN are not valid.
+  draft = rng.integers(0, vocab, 4).astype(np.int32)
+  target = rng.normal(size=(6, vocab)).astype(np.float32)
+  target[:3, vocab - 7] = np.nan  # the first sequence's rows only
+  for temperature in (0.0, 1.0):
+    got = sd.packed_verify(draft, np.array([2, 2], np.int32), target_logits=target,
+                           draft_logits=rng.normal(size=(4, vocab)).astype(np.float32),
+                           params=sd.SamplingParams(jnp.full((2,), temperature)),
+                           max_spec_len=2, key=jax.random.split(jax.random.key(0), 2))
+    np.testing.assert_array_equal(np.asarray(got.valid), [False, True])
+    assert int(got.error[0]) != 0 and int(got.error[1]) == 0
