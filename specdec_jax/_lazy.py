@@ -18,8 +18,11 @@ partial selection ``lax.top_k`` of the :data:`CANDIDATES` largest logits only if
 top-k or top-p, which settles ``t``, ``cut`` and ``S`` of every row whose kept set ends inside
 the candidates (the top-k/top-p of LM rows); rows it does not settle (a ``top_k`` above the
 bound, a flat row whose nucleus is wider) are processed by the sort-free bisection of
-:mod:`specdec_jax._threshold`, one row at a time. Vocabulary-sharded rows (``axis_name``) use
-the bisection with scalar collectives.
+:mod:`specdec_jax._threshold`, one row at a time. Vocabulary-sharded rows (``axis_name``) take
+the same passes over each device's columns: the per-row maxima, flags, argmax and normalisers
+are combined by one collective of ``(R,)`` values for the whole batch, each device selects its
+shard's candidates, the ``n * CANDIDATES`` per row are gathered and merged
+(:func:`row_candidates`), and only the rows they do not settle bisect, with scalar collectives.
 
 Reference: the same statistics drive FlashInfer's sorting-free top-k/top-p sampling and
 tpu-inference's ``binary_search.py``; here they are kept instead of a processed array.
@@ -40,6 +43,7 @@ from specdec_jax._row_passes import first_max
 from specdec_jax._row_passes import nan_rows
 from specdec_jax._row_passes import top_candidates
 from specdec_jax._threshold import any_if
+from specdec_jax._threshold import first_column
 from specdec_jax._threshold import full_vocab
 from specdec_jax._threshold import reduce_if
 from specdec_jax._threshold import softmax
@@ -132,35 +136,6 @@ def row_loop(fn, xs):
   return lax.platform_dependent(*xs, cpu=looped, default=vectorised)
 
 
-def _row_basics(x, temperature, axis_name):
-  """``(top, scale, greedy, broken, argmax, norm)`` of one row ``(V,)``: the max, the flags and
-  the argmax in one read, then (sampled rows only) ``S = sum(exp(z))`` over the whole row."""
-  dtype = x.dtype
-  vocab_local = x.shape[-1]
-  greedy = ~(temperature > 0)
-  scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
-  finite = jnp.isfinite(x)
-  bad = any_if(jnp.any(jnp.isnan(x) | (x == jnp.inf)), axis_name)
-  broken = bad | ~any_if(jnp.any(finite), axis_name)
-  top = reduce_if(lax.pmax, jnp.max(jnp.where(finite, x, -jnp.inf)), axis_name)
-  top = jnp.where(broken, jnp.zeros((), dtype), top)
-  local_arg = jnp.argmax(x).astype(jnp.int32)
-  if axis_name is None:
-    argmax = local_arg
-  else:  # the lowest global id attaining the global max (of the raw values, as jnp.argmax)
-    local_max = jnp.max(x)
-    first = lax.axis_index(axis_name).astype(jnp.int32) * vocab_local
-    winner = local_max == lax.pmax(local_max, axis_name)
-    argmax = lax.pmin(jnp.where(winner, first + local_arg, full_vocab(vocab_local, axis_name)),
-                      axis_name)
-
-  def norm():
-    return reduce_if(lax.psum, jnp.sum(jnp.exp(scaled(x, top, scale))), axis_name)
-
-  total = lax.cond(~greedy & ~broken, norm, lambda: jnp.zeros((), dtype) + jnp.zeros_like(top))
-  return top, scale, greedy, broken, argmax, total
-
-
 def _per_row(params, name, rows, dtype):
   """Field ``name`` of ``params`` as ``(rows,)`` of ``dtype`` (None stays None)."""
   value = getattr(params, name)
@@ -240,9 +215,45 @@ def _candidates_settle(vals, idx, top, scale, norm_all, k_eff, top_p, vocab):
   return t, cut.astype(jnp.int32), norm, settled
 
 
-def logit_stats(logits: jax.Array, params, axis_name: str | None = None) -> LogitStats:
+def row_candidates(logits: jax.Array, maxima: jax.Array,
+                   axis_name: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """``(values, ids)`` ``(R, C)``: the ``C = min(CANDIDATES, V)`` largest logits of each row
+  and their global ids (which of several entries tied at the smallest value is unspecified).
+
+  ``maxima``: the rows' block maxima (:func:`~specdec_jax._row_passes.block_maxima`). Sharded
+  (``axis_name``), each device selects its own shard's ``C`` largest, the ``n * C`` per row are
+  gathered (a few statistics per row, independent of ``V``: no device gathers a row) and the
+  ``C`` largest of them kept:
+  every entry above the ``C``-th largest of the row is among its shard's ``C`` largest.
+  ``-0.0`` may come back as ``+0.0`` (equal values, as everywhere in the kept-set order).
+  """
+  vocab_local = logits.shape[-1]
+  values, ids = top_candidates(logits, maxima, min(CANDIDATES, vocab_local))
+  if axis_name is None:
+    return values, ids
+  values, ids = (_gather(a, axis_name) for a in (values, ids + first_column(vocab_local,
+                                                                             axis_name)))
+  values, at = lax.top_k(values, min(CANDIDATES, values.shape[-1]))
+  return values, jnp.take_along_axis(ids, at, axis=-1)
+
+
+def _gather(a: jax.Array, axis_name: str) -> jax.Array:
+  """``(R, C)`` per device -> ``(R, n * C)``, device ``i``'s at ``[:, i * C:]``, the same on
+  every device: a ``psum`` of each device's block in its own slot, zeros elsewhere (exact:
+  ``x + 0 = x``), so that the result is typed as replicated, which ``lax.all_gather``'s is not
+  and every ``lax.cond`` on it needs."""
+  n = lax.axis_size(axis_name)
+  mine = jnp.arange(n)[None, :, None] == lax.axis_index(axis_name)
+  spread = jnp.where(mine, a[:, None, :], jnp.zeros((), a.dtype))  # (R, n, C)
+  return lax.psum(spread, axis_name).reshape(a.shape[0], -1)
+
+
+def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
+                candidates: bool = True) -> LogitStats:
   """:class:`LogitStats` of rows ``(R, V)`` with per-row ``params`` (fields ``(R,)``, scalars,
   or None to remove a step at trace time); ``axis_name``: the rows are this device's columns.
+  ``candidates=False`` cuts every row by the bisection (the same statistics; for tests and
+  benchmarks).
 
   Out-of-range parameters are clipped as :func:`~specdec_jax._process.process_row` clips them
   (the caller flags ``BAD_PARAMS``).
@@ -257,34 +268,34 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None) -> Logi
   k_eff = None if k is None else jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
   top_p = _per_row(params, "top_p", rows, dtype)
   zeros = jnp.zeros((rows,), dtype)
-  maxima = None
-  if axis_name is None:
-    # One read: block maxima; the row max, the flags and (from one block) the argmax follow
-    # (and one sum for the NaN flag).
-    maxima = block_maxima(logits)
-    raw_top = jnp.max(maxima, axis=-1)
-    # +inf somewhere or all -inf (the max tells), or a NaN (the max may drop it: a sum tells)
-    broken = ~jnp.isfinite(raw_top) | nan_rows(logits)
-    top = jnp.where(broken, zeros, raw_top.astype(dtype))
-    argmax = first_max(logits, maxima, raw_top)
-    greedy = ~(temperature > 0)
-    scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
+  # One read: block maxima; the row max, the flags and (from one block) the argmax follow
+  # (and one sum for the NaN flag). Sharded, each is combined over the devices by one
+  # collective of (R,) values for the whole batch.
+  maxima = block_maxima(logits)
+  local_top = jnp.max(maxima, axis=-1)
+  raw_top = reduce_if(lax.pmax, local_top, axis_name)
+  # +inf somewhere or all -inf (the max tells), or a NaN (the max may drop it: a sum tells)
+  broken = ~jnp.isfinite(raw_top) | any_if(nan_rows(logits), axis_name)
+  top = jnp.where(broken, zeros, raw_top.astype(dtype))
+  argmax = first_max(logits, maxima, local_top)
+  if axis_name is not None:  # the lowest global id attaining the global max
+    argmax = lax.pmin(jnp.where(local_top == raw_top, first_column(vocab_local, axis_name)
+                                + argmax, vocab), axis_name)
+  greedy = ~(temperature > 0)
+  scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
 
-    def full_norm():  # one more read, only if some row samples
-      # Plain (x - top) / T: equal to `scaled` on every row that is not broken (-inf stays
-      # -inf), and 3x faster on XLA:CPU without the select; broken rows read as NaN anyway.
-      return exp_sums(x, top, scale)
+  def full_norm():  # one more read, only if some row samples
+    # Plain (x - top) / T: equal to `scaled` on every row that is not broken (-inf stays
+    # -inf), and 3x faster on XLA:CPU without the select; broken rows read as NaN anyway.
+    return reduce_if(lax.psum, exp_sums(x, top, scale), axis_name)
 
-    # Needed by the sampled rows that top-k does not cut (a row top-k cuts takes its
-    # normaliser from the candidates or the bisection): none in a batch where every sampled
-    # row has a top-k.
-    reads_all = ~greedy & ~broken
-    if k_eff is not None:
-      reads_all = reads_all & (k_eff >= vocab)
-    norm_all = lax.cond(jnp.any(reads_all), full_norm, lambda: zeros)
-  else:
-    top, scale, greedy, broken, argmax, norm_all = row_loop(
-      lambda xr, tr: _row_basics(xr, tr, axis_name), (x, temperature))
+  # Needed by the sampled rows that top-k does not cut (a row top-k cuts takes its
+  # normaliser from the candidates or the bisection): none in a batch where every sampled
+  # row has a top-k.
+  reads_all = ~greedy & ~broken
+  if k_eff is not None:
+    reads_all = reads_all & (k_eff >= vocab)
+  norm_all = lax.cond(jnp.any(reads_all), full_norm, lambda: jnp.zeros_like(top))
   sampled = ~greedy & ~broken
   typed = jnp.zeros_like(top)  # typed like the statistics (inside shard_map: the same axes)
   keep_all = (typed - jnp.inf, typed.astype(jnp.int32) + vocab, norm_all)
@@ -306,21 +317,18 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None) -> Logi
 
   if k is None and top_p is None:
     return LogitStats(top, scale, norm_all, *keep_all[:2], argmax, greedy, broken)
-  if axis_name is not None:
-    def cut_rows():
-      return bisect(cutting)
-  else:
-    def cut_rows():
-      values, ids = top_candidates(logits, maxima, min(CANDIDATES, vocab_local))
-      t, cut, norm, settled = _candidates_settle(values, ids, top, scale, norm_all, k_eff,
-                                                 top_p, vocab)
-      if vocab_local <= CANDIDATES:  # the candidates are the whole row: every row settles,
-        return t, cut, norm         # and no fallback is compiled
-      pending = cutting & ~settled
-      slow = lax.cond(jnp.any(pending), lambda: bisect(pending), lambda: (t, cut, norm))
-      return tuple(jnp.where(pending, s, f) for s, f in zip(slow, (t, cut, norm), strict=True))
+  def cut_rows():
+    values, ids = row_candidates(logits, maxima, axis_name)
+    t, cut, norm, settled = _candidates_settle(values, ids, top, scale, norm_all, k_eff,
+                                               top_p, vocab)
+    if vocab <= CANDIDATES:  # the candidates are the whole row: every row settles,
+      return t, cut, norm    # and no fallback is compiled
+    pending = cutting & ~settled
+    slow = lax.cond(jnp.any(pending), lambda: bisect(pending), lambda: (t, cut, norm))
+    return tuple(jnp.where(pending, s, f) for s, f in zip(slow, (t, cut, norm), strict=True))
 
-  t, cut, norm = lax.cond(jnp.any(cutting), cut_rows, lambda: keep_all)
+  t, cut, norm = lax.cond(jnp.any(cutting), cut_rows if candidates else lambda: bisect(cutting),
+                          lambda: keep_all)
   t, cut, norm = (jnp.where(cutting, a, b) for a, b in zip((t, cut, norm), keep_all, strict=True))
   return LogitStats(top, scale, norm, t, cut.astype(jnp.int32), argmax, greedy, broken)
 

@@ -6,6 +6,7 @@ and broken rows equal, probabilities equal up to the rounding of the normaliser.
 """
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,10 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax import SamplingParams
+from specdec_jax import _lazy as lazy
+from specdec_jax._lazy import CANDIDATES
+from specdec_jax._lazy import LogitStats
+from specdec_jax._lazy import logit_stats
 from specdec_jax._logits import process_rows
 from specdec_jax._threshold import WAYS
 from specdec_jax._threshold import first_true
@@ -211,3 +216,69 @@ def test_only_scalars_per_row_cross_devices():
   text = sharded(n).lower(jnp.zeros((rows, vocab)), params).compile().as_text()
   assert largest_collective(text) <= rows * max(n, WAYS)
   assert largest_collective(text) < vocab // n
+
+
+# --- the lazy statistics (what the verifiers read from sharded logits) -----------------------
+
+
+@functools.cache
+def sharded_stats(n: int):
+  """``logit_stats`` with the vocabulary split over ``n`` devices: per-row statistics, the same
+  on every device (``out_specs=P()`` fails to trace if any of them is not)."""
+  fn = jax.shard_map(lambda x, params: logit_stats(x, params, axis_name="model"),
+                     mesh=_mesh(n), in_specs=(P(None, "model"), P()), out_specs=P())
+  return jax.jit(fn)
+
+
+def check_stats(logits, params: SamplingParams, n: int) -> LogitStats:
+  """Sharded statistics against unsharded ones: kept sets (``t``, ``cut``), maxima, argmax and
+  flags exactly, the normaliser up to the order of its summation."""
+  got = sharded_stats(n)(logits, params)
+  want = jax.jit(logit_stats)(logits, params)
+  ok = ~np.asarray(want.broken)
+  np.testing.assert_array_equal(np.asarray(got.broken), ~ok)
+  for field in ("top", "scale", "cut_value", "cut_id", "argmax", "greedy"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, field))[ok],
+                                  np.asarray(getattr(want, field))[ok], err_msg=field)
+  sampled = ok & ~np.asarray(want.greedy)
+  np.testing.assert_allclose(np.asarray(got.norm)[sampled], np.asarray(want.norm)[sampled],
+                             rtol=1e-5)
+  return got
+
+
+@pytest.mark.parametrize(("n", "vocab"), [(2, 2 * 257), (4, 8 * 300), (8, 8 * 300), (8, 8 * 40)])
+def test_sharded_statistics_equal_the_unsharded_ones(n, vocab):
+  """Rows the shards' candidates settle and rows they do not (``top_k`` above
+  ``CANDIDATES``, flat rows whose nucleus is wider, ties across device boundaries, every cut of
+  an all-equal row), ``-inf`` and broken rows; ``V / n = 40`` is below ``CANDIDATES``."""
+  x, t, k, p = edge_rows(vocab)
+  assert (k > CANDIDATES).any() and ((k > 0) & (k <= CANDIDATES)).any()
+  check_stats(jnp.asarray(x), params_of(t, k, p), n)
+  check_stats(jnp.asarray(x), params_of(t, None, p), n)
+  check_stats(jnp.asarray(x, jnp.bfloat16), params_of(t, k, None), n)
+
+
+def test_sharded_candidates_settle_lm_rows_without_bisecting():
+  """Peaked rows with LM-like top-k / top-p are settled by the gathered candidates: the result
+  is the same with the bisection made to return garbage (so the fallback was not taken), and
+  a row the candidates cannot settle (top-k above them) does change (negative control)."""
+  rng = np.random.default_rng(3)
+  vocab, rows = 8 * 500, 6
+  x = jnp.asarray(np.stack([zipf(rng, vocab, 1.3) * 4 for _ in range(rows)]), jnp.float32)
+  params = params_of(np.full(rows, 0.8), [0, 20, 40, 0, 50, 8], [0.9, 1.0, 0.8, 0.5, 0.95, 1.0])
+  want = check_stats(x, params, 8)
+  wide = params._replace(top_k=jnp.asarray([0, 20, 40, 0, 50, CANDIDATES + 100], jnp.int32))
+
+  def garbage(*_args, **_kwargs):
+    return jnp.float32(0), jnp.int32(0), jnp.float32(1)
+
+  with mock.patch.object(lazy, "_bisected_row", garbage):
+    sharded_stats.cache_clear()
+    try:
+      got = sharded_stats(8)(x, params)
+      changed = sharded_stats(8)(x, wide)
+    finally:
+      sharded_stats.cache_clear()
+  np.testing.assert_array_equal(np.asarray(got.cut_id), np.asarray(want.cut_id))
+  np.testing.assert_array_equal(np.asarray(got.norm), np.asarray(want.norm))
+  assert np.asarray(changed.cut_id)[-1] == 0  # the garbage of the fallback
