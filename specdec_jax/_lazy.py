@@ -268,15 +268,13 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
   k_eff = None if k is None else jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
   top_p = _per_row(params, "top_p", rows, dtype)
   zeros = jnp.zeros((rows,), dtype)
-  # One read: block maxima; the row max, the flags and (from one block) the argmax follow
-  # (and one sum for the NaN flag). Sharded, each is combined over the devices by one
-  # collective of (R,) values for the whole batch.
+  # One read: block maxima; the row max, the flags and (from one block) the argmax follow.
+  # Sharded, each is combined over the devices by one collective of (R,) values for the batch.
   maxima = block_maxima(logits)
   local_top = jnp.max(maxima, axis=-1)
   raw_top = reduce_if(lax.pmax, local_top, axis_name)
-  # +inf somewhere or all -inf (the max tells), or a NaN (the max may drop it: a sum tells)
-  broken = ~jnp.isfinite(raw_top) | any_if(nan_rows(logits), axis_name)
-  top = jnp.where(broken, zeros, raw_top.astype(dtype))
+  infinite = ~jnp.isfinite(raw_top)  # +inf somewhere or no finite entry: the max tells
+  top = jnp.where(infinite, zeros, raw_top.astype(dtype))
   argmax = first_max(logits, maxima, local_top)
   if axis_name is not None:  # the lowest global id attaining the global max
     argmax = lax.pmin(jnp.where(local_top == raw_top, first_column(vocab_local, axis_name)
@@ -284,18 +282,26 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
   greedy = ~(temperature > 0)
   scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
 
-  def full_norm():  # one more read, only if some row samples
+  # A NaN the max may drop (XLA:CPU's does, see `nan_rows`); a sum propagates it. When some
+  # row samples from its whole row, one more read gives the normaliser of every row, NaN
+  # exactly where a NaN is (each exp is at most 1: no overflow); otherwise a plain sum tells.
+  def full_norm():
     # Plain (x - top) / T: equal to `scaled` on every row that is not broken (-inf stays
     # -inf), and 3x faster on XLA:CPU without the select; broken rows read as NaN anyway.
-    return reduce_if(lax.psum, exp_sums(x, top, scale), axis_name)
+    norm = reduce_if(lax.psum, exp_sums(x, top, scale), axis_name)
+    return norm, jnp.isnan(norm)
 
-  # Needed by the sampled rows that top-k does not cut (a row top-k cuts takes its
-  # normaliser from the candidates or the bisection): none in a batch where every sampled
-  # row has a top-k.
-  reads_all = ~greedy & ~broken
+  def nan_only():
+    return jnp.zeros_like(top), any_if(nan_rows(logits), axis_name)
+
+  # The sampled rows that top-k does not cut need the normaliser of the whole row (a row
+  # top-k cuts takes its normaliser from the candidates or the bisection).
+  reads_all = ~greedy & ~infinite
   if k_eff is not None:
     reads_all = reads_all & (k_eff >= vocab)
-  norm_all = lax.cond(jnp.any(reads_all), full_norm, lambda: jnp.zeros_like(top))
+  norm_all, nan = lax.cond(jnp.any(reads_all), full_norm, nan_only)
+  broken = infinite | nan
+  top = jnp.where(broken, zeros, top)
   sampled = ~greedy & ~broken
   typed = jnp.zeros_like(top)  # typed like the statistics (inside shard_map: the same axes)
   keep_all = (typed - jnp.inf, typed.astype(jnp.int32) + vocab, norm_all)

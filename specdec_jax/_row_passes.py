@@ -55,10 +55,13 @@ def nan_rows(x: jax.Array) -> jax.Array:
   0.10.2: ``jnp.max`` over rows of 2,400 entries or more with a NaN returns the largest of the
   others), while a sum propagates it. The entries are scaled by ``2**-100`` first so that no
   finite row overflows to ``+inf`` (which a ``-inf`` entry would turn into NaN). One streamed
-  read.
+  read, long rows in pieces as in :func:`exp_sums`.
   """
+  rows, vocab = x.shape
+  count = _pieces(vocab)  # long rows in pieces, as in `exp_sums`
   tiny = jnp.asarray(2.0 ** -100, x.dtype)
-  return jnp.isnan(jnp.sum(x * tiny, axis=-1))
+  sums = jnp.sum(x.reshape(rows * count, vocab // count) * tiny, axis=-1)
+  return jnp.isnan(jnp.sum(sums.reshape(rows, count), axis=-1))
 
 
 def block_maxima(x: jax.Array, block: int = BLOCK) -> jax.Array:

@@ -250,17 +250,22 @@ def test_a_nan_anywhere_in_a_long_row_breaks_it(vocab):
   """XLA:CPU's max reductions drop NaN from rows of 2,400 entries or more, so the block
   maxima alone would leave a NaN row unbroken: greedy rows then returned a token with
   ``valid`` set. Every kind of row (greedy, temperature, top-k, top-p) with one NaN, at the
-  first, a middle and the last id, reads as broken; the verifier says so."""
+  first, a middle and the last id, reads as broken, in batches where some row reads its
+  whole normaliser and in batches where none does; the verifier says so."""
   rng = np.random.default_rng(vocab)
-  params = sd.SamplingParams(jnp.asarray([0.0, 1.0, 0.7, 0.7, 1.0, 0.0], jnp.float32),
-                             jnp.asarray([0, 0, 20, 0, 5, 3], jnp.int32),
-                             jnp.asarray([1.0, 1.0, 1.0, 0.9, 0.5, 1.0], jnp.float32))
-  for where in (0, vocab // 2 + 3, vocab - 1):
-    x = rng.normal(size=(6, vocab)).astype(np.float32)
-    x[:, where] = np.nan
-    x[5, where] = 0.0  # the control row: no NaN
-    stats = jax.jit(logit_stats)(jnp.asarray(x), params)
-    np.testing.assert_array_equal(np.asarray(stats.broken), [True] * 5 + [False])
+  mixed = sd.SamplingParams(jnp.asarray([0.0, 1.0, 0.7, 0.7, 1.0, 0.0], jnp.float32),
+                            jnp.asarray([0, 0, 20, 0, 5, 3], jnp.int32),
+                            jnp.asarray([1.0, 1.0, 1.0, 0.9, 0.5, 1.0], jnp.float32))
+  # Batches where no row reads its whole row's normaliser (the NaN flag's own pass).
+  greedy = sd.SamplingParams(jnp.zeros(6, jnp.float32))
+  top_k = sd.SamplingParams(jnp.full(6, 0.8, jnp.float32), jnp.asarray([1, 5, 20, 64, 65, 3]))
+  for params in (mixed, greedy, top_k):
+    for where in (0, vocab // 2 + 3, vocab - 1):
+      x = rng.normal(size=(6, vocab)).astype(np.float32)
+      x[:, where] = np.nan
+      x[5, where] = 0.0  # the control row: no NaN
+      stats = jax.jit(logit_stats)(jnp.asarray(x), params)
+      np.testing.assert_array_equal(np.asarray(stats.broken), [True] * 5 + [False])
   # End to end: greedy and sampled sequences whose target rows hold a NaN are not valid.
   draft = rng.integers(0, vocab, 4).astype(np.int32)
   target = rng.normal(size=(6, vocab)).astype(np.float32)
