@@ -292,7 +292,7 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
     return norm, jnp.isnan(norm)
 
   def nan_only():
-    return jnp.zeros_like(top), any_if(nan_rows(logits), axis_name)
+    return jnp.zeros_like(top), any_if(nan_rows(logits, top), axis_name)
 
   # The sampled rows that top-k does not cut need the normaliser of the whole row (a row
   # top-k cuts takes its normaliser from the candidates or the bisection).

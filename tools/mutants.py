@@ -313,7 +313,7 @@ MUTANTS: tuple[Mutant, ...] = (
      "lazy logits: a long row's pieces taken across rows instead of along it", T_LAZY,
      "-k", "pieces"),
   _m("lazy-nan-left-to-the-max", "_lazy.py",
-     "    return jnp.zeros_like(top), any_if(nan_rows(logits), axis_name)",
+     "    return jnp.zeros_like(top), any_if(nan_rows(logits, top), axis_name)",
      "    return jnp.zeros_like(top), jnp.zeros(top.shape, bool)",
      "lazy logits: a NaN in a greedy or top-k batch left to the max, which XLA:CPU drops",
      T_LAZY, "-k", "nan"),
