@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import zipfile
 from collections.abc import Callable
 from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
 
 from specdec_jax.app import demo
 from specdec_jax.app import e2e
@@ -165,6 +169,26 @@ def check_e2e(args: argparse.Namespace) -> str | None:
   return None
 
 
+def eagle_weights(text: str):
+  """argparse type: a file of EAGLE draft weights (what ``train_draft`` writes)."""
+  path = Path(text)
+  if not path.is_file():
+    raise argparse.ArgumentTypeError(f"expected a file of draft weights written by "
+                                     f"train_draft (.npz), got {text!r}, which is not a file")
+  try:
+    with np.load(path) as z:
+      names = set(z.files)
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+    raise argparse.ArgumentTypeError(f"expected draft weights written by train_draft (.npz), "
+                                     f"got {text!r}, which cannot be read as one ({err})"
+                                     ) from None
+  if not {"fc", "vocab_ids"} <= names:
+    raise argparse.ArgumentTypeError(f"expected draft weights written by train_draft (arrays "
+                                     f"fc, vocab_ids, layer.*), got {text!r} with arrays "
+                                     f"{sorted(names)[:6]}")
+  return path
+
+
 def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
   """Options shared by ``generate`` and ``bench-e2e``."""
   if generate_command:
@@ -192,6 +216,10 @@ def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool
   parser.add_argument("--seed", type=seed, default=0)
   parser.add_argument("--seeds", type=positive_int, default=1,
                       help="run sampled requests with this many seeds and summarise (default 1)")
+  parser.add_argument("--eagle-weights", type=eagle_weights, default=smollm2.EAGLE_WEIGHTS,
+                      help="the eagle draft's weights (default: the demo's draft, "
+                           "specdec_jax/app/data/smollm2_eagle.npz; python -m "
+                           "specdec_jax.app.train_draft writes ./smollm2_eagle.npz)")
 
 
 def defaults(add_options: Callable[[argparse.ArgumentParser], None]) -> argparse.Namespace:

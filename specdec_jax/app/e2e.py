@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -115,7 +116,7 @@ def runs_with(draft: str, verifier: str) -> bool:
 class Setup:
   """SmolLM2 loaded once, with its drafts and tokenizer."""
 
-  def __init__(self, progress: bool = True):
+  def __init__(self, progress: bool = True, eagle_weights: Path = smollm2.EAGLE_WEIGHTS):
     params, config, tokenizer = smollm2.load_smollm2(progress=progress)
     self.config = config
     self.tokenizer = tokenizer
@@ -128,7 +129,7 @@ class Setup:
                           name="early"),
     }
     try:
-      self.drafts["eagle"] = smollm2.load_eagle_draft(params, config)
+      self.drafts["eagle"] = smollm2.load_eagle_draft(params, config, eagle_weights)
     except FileNotFoundError as err:  # not trained yet: the eagle rows are left out
       print(f"  note: {err}", file=sys.stderr)
     self.policies: dict[str, AdaptiveSpeculation] = {}
@@ -349,7 +350,7 @@ def stream_generation(setup: Setup, prompt_name: str, prompt_text: str, draft: s
 def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) -> int:
   """Entry point of ``generate`` and ``bench-e2e``."""
   try:
-    setup = Setup()
+    setup = Setup(eagle_weights=getattr(args, "eagle_weights", smollm2.EAGLE_WEIGHTS))
   except (ImportError, FileNotFoundError, GGUFError) as err:  # no model extra, weights, or bad file
     print(f"error: {err}", file=sys.stderr)
     return 2

@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from specdec_jax.app import cli
@@ -114,6 +115,24 @@ def test_cli_prompt_over_the_context_is_refused(capsys):
   err = capsys.readouterr().err.strip().splitlines()  # the loader's progress line, then ours
   assert err[-1].startswith("error: the prompt (") and "Traceback" not in "".join(err)
   assert "exceeds the model's context of 8192 tokens" in err[-1]
+
+
+def test_eagle_weights_are_checked_before_loading(tmp_path, capsys):
+  """``--eagle-weights``: a missing file, a file that is not an .npz and an .npz without the
+  draft's arrays are each refused by the parser, in one line."""
+  other = tmp_path / "other.npz"
+  np.savez(other, x=np.zeros(3))
+  garbage = tmp_path / "garbage.npz"
+  garbage.write_bytes(b"not a zip")
+  for path, message in ((tmp_path / "none.npz", "which is not a file"),
+                        (garbage, "which cannot be read as one"),
+                        (other, "with arrays ['x']")):
+    code, err = _cli(["bench-e2e", "--eagle-weights", str(path)], capsys)
+    assert code == 2 and "argument --eagle-weights: expected" in err and message in err, err
+    assert "Traceback" not in err
+  good = tmp_path / "draft.npz"
+  np.savez(good, fc=np.zeros(2), vocab_ids=np.zeros(2, np.int32))
+  assert cli.eagle_weights(str(good)) == good
 
 
 def test_a_missing_learned_draft_says_where_its_weights_are(tmp_path):
