@@ -99,13 +99,16 @@ class Corpus:
 
 def draft_loss(weights: eagle.EagleWeights, embed, head, batch, noise_key, *,
                config: LlamaConfig, noise: float = 0.05, unrolled_weight: float = 0.5,
-               feature_weight: float = 0.1):
-  """EAGLE's losses on one batch, over a teacher-forced pass and one unrolled pass.
+               feature_weight: float = 0.1, unroll: int = 1):
+  """EAGLE's losses on one batch, over a teacher-forced pass and ``unroll`` unrolled passes.
 
   ``batch = (tokens (B, T), mask (B, T), features (B, T, D), lse (B, T))``. Position ``t``
   reads ``x[t]`` and ``f[t - 1]`` (zeros at 0) and is scored against the target's next-token
   probabilities at ``t`` on the draft vocabulary (cross-entropy) and against ``f[t]`` (smooth
-  L1). Returns ``(loss, cross-entropy of the first pass)``.
+  L1). Unrolled pass ``k`` reads, in place of ``f[t - 1]``, what pass ``k - 1`` predicted
+  there: the ``k + 1``-th proposal of a draft run ahead of the target (the training-time test
+  of EAGLE-3 / HASS), weighted ``unrolled_weight``. Returns ``(loss, cross-entropy of the
+  first pass)``.
   """
   tokens, mask, feats, lse = batch
   b, t = tokens.shape
@@ -127,9 +130,11 @@ def draft_loss(weights: eagle.EagleWeights, embed, head, batch, noise_key, *,
   shifted = jnp.pad(feats, ((0, 0), (1, 0), (0, 0)))[:, :t]
   scale = jnp.std(feats)
   shifted = shifted + noise * scale * jax.random.uniform(noise_key, shifted.shape, minval=-1.0)
-  ce1, reg1, g1 = run(shifted)
-  ce2, reg2, _ = run(jnp.pad(g1, ((0, 0), (1, 0), (0, 0)))[:, :t])
-  loss = ce1 + feature_weight * reg1 + unrolled_weight * (ce2 + feature_weight * reg2)
+  ce1, reg1, g = run(shifted)
+  loss = ce1 + feature_weight * reg1
+  for _ in range(unroll):
+    ce, reg, g = run(jnp.pad(g, ((0, 0), (1, 0), (0, 0)))[:, :t])
+    loss = loss + unrolled_weight * (ce + feature_weight * reg)
   return loss, ce1
 
 
@@ -149,8 +154,9 @@ def learning_rate_schedule(steps: int, learning_rate: float):
 
 def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_ids: np.ndarray,
                 *, steps: int, batch: int, learning_rate: float = 1e-3, seed: int = 0,
-                progress: bool = True, log_every: int = 50):
-  """Train the draft's weights on a :class:`Corpus`: ``(weights, losses)``.
+                unroll: int = 1, progress: bool = True, log_every: int = 50):
+  """Train the draft's weights on a :class:`Corpus`: ``(weights, losses)``; ``unroll``: the
+  unrolled passes of :func:`draft_loss`.
 
   Needs ``optax`` (``pip install 'specdec_jax[train]'``).
   """
@@ -169,7 +175,7 @@ def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_
   @jax.jit
   def step(weights, state, batch_arrays, key):
     (loss, ce), grads = jax.value_and_grad(draft_loss, has_aux=True)(
-      weights, params.embed, head, batch_arrays, key, config=config)
+      weights, params.embed, head, batch_arrays, key, config=config, unroll=unroll)
     updates, state = optimizer.update(grads, state, weights)
     return optax.apply_updates(weights, updates), state, loss, ce
 

@@ -1,9 +1,9 @@
 """Train the EAGLE-style draft of SmolLM2 by self-distillation (``make train-draft``).
 
-1. **Data**: the target answers a set of varied instructions (:data:`TRAIN_PROMPTS`, none of
-   them a benchmark prompt) greedily and by sampling; its own generations are the corpus, so
-   the draft learns the distribution it will be verified against (self-distillation, as in
-   Medusa-2 and EAGLE's fixed-dataset ablation).
+1. **Data**: the target answers a set of varied instructions (:data:`TRAIN_PROMPTS`, or the
+   wider :data:`WIDE_PROMPTS`; none of them a benchmark prompt) greedily and by sampling; its
+   own generations are the corpus, so the draft learns the distribution it will be verified
+   against (self-distillation, as in Medusa-2 and EAGLE's fixed-dataset ablation).
 2. **Features**: one target pass over every sequence gives the final-normed hidden states
    ``f[t]`` and the log-normaliser of the full-vocabulary softmax, so the target's next-token
    probabilities of the draft vocabulary are ``exp(f[t] @ head_K.T - lse[t])`` at the cost of
@@ -12,7 +12,7 @@
    always among them.
 4. **Training** (optax AdamW): at position ``t`` the draft reads ``x[t]`` and ``f[t - 1]``; the
    loss is the cross-entropy against the target's probabilities plus a feature regression
-   (EAGLE's two losses), on a second unrolled pass too, where the draft reads its own
+   (EAGLE's two losses), on ``--unroll`` unrolled passes too, where the draft reads its own
    predicted features as at inference (the "training-time test" of EAGLE-3/HASS), which is what
    makes the second and later proposals usable.
 
@@ -98,6 +98,26 @@ TRAIN_PROMPTS = (
   "Tell me about the history of bread.",
 )
 
+#: Topics and task templates of the wider corpus (``--prompts wide``: :data:`TRAIN_PROMPTS` plus
+#: every template applied to every topic, 148 prompts): explanations, facts, essays, poems and
+#: stories on everyday, science, history and nature topics; none is a benchmark prompt.
+TOPICS = (
+  "volcanoes", "honey bees", "the printing press", "electric cars", "the human heart", "chess",
+  "rainbows", "coffee", "penguins", "the internet", "recycling", "ocean tides", "earthquakes",
+  "the Roman Empire", "gardening", "trains", "deserts", "the moon", "friendship", "a rainy day",
+)
+TEMPLATES = (
+  "Explain {} to a ten year old.",
+  "Tell me three interesting facts about {}.",
+  "Write a short essay about {}.",
+  "Write a poem about {}.",
+  "Write a short story in which {} plays a part.",
+)
+WIDE_PROMPTS = TRAIN_PROMPTS + tuple(t.format(topic) for topic in TOPICS for t in TEMPLATES)
+
+#: The prompt sets of ``--prompts``.
+PROMPT_SETS = {"base": TRAIN_PROMPTS, "wide": WIDE_PROMPTS}
+
 #: The draft vocabulary size (the head reads this many of the target's 49,152 output rows).
 DRAFT_VOCAB = 8192
 
@@ -157,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--length", type=int_at_least(2), default=256,
                       help="tokens per training sequence (default: %(default)s; position t "
                            "learns from t - 1, so at least 2)")
+  parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="base",
+                      help="the instructions the target answers: base, the 48 hand-written "
+                           "ones, or wide, those and 5 tasks on each of 20 topics (default: "
+                           "%(default)s)")
+  parser.add_argument("--unroll", type=int_at_least(0), default=1,
+                      help="unrolled passes of the training-time test: the draft trained on its "
+                           "own predicted features, as for its 2nd .. (unroll + 1)-th proposal "
+                           "(default: %(default)s)")
   parser.add_argument("--seed", type=_seed, default=0)
   return parser
 
@@ -252,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   begin = time.perf_counter()
   say(True, "loading SmolLM2-135M-Instruct ...")
   params, config, tokenizer = smollm2.load_smollm2(progress=True)
-  prompts = [tokenizer.chat_ids(p) for p in TRAIN_PROMPTS]
+  prompts = [tokenizer.chat_ids(p) for p in PROMPT_SETS[args.prompts]]
   problem = check_with_model(args, config, prompts, stored)
   if problem is not None:
     parser.error(problem)
@@ -271,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   corpus = Corpus(params, config, sequences, length=args.length)
   say(True, f"training: {args.steps} steps of {args.batch} sequences")
   weights, losses = train_eagle(params, config, corpus, vocab_ids, steps=args.steps,
-                                batch=args.batch, seed=args.seed)
+                                batch=args.batch, seed=args.seed, unroll=args.unroll)
   if not all(np.isfinite(np.asarray(w)).all() for w in jax.tree.leaves(weights)):
     print(f"error: training diverged: the draft's weights are not finite (NaN or inf); nothing "
           f"was written to {args.out}", file=sys.stderr)

@@ -140,6 +140,8 @@ def _main(argv, capsys):
   (["--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1, got 0"),
   (["--temperatures", "0", "nan"], "argument --temperatures: expected a finite number >= 0"),
   (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+  (["--unroll", "-1"], "argument --unroll: expected an integer >= 0, got -1"),
+  (["--prompts", "all"], "argument --prompts: invalid choice: 'all'"),
   (["--out", "draft"], "argument --out: expected a path ending in .npz, got 'draft'"),
 ])
 def test_train_draft_arguments_are_checked_before_loading(argv, message, capsys, monkeypatch):
@@ -211,3 +213,38 @@ def test_one_training_step_has_a_learning_rate():
     new = draft_training.learning_rate_schedule(steps, 1e-3)
     for i in (0, 1, steps // 2, steps - 1):
       assert float(new(i)) == float(old(i))
+
+
+def test_each_unrolled_pass_reads_the_previous_pass_prediction(trained):
+  """The training-time test: ``unroll`` passes after the teacher-forced one, each adding its
+  loss (so the loss grows with ``unroll`` while the reported first-pass cross-entropy does not
+  change), and pass ``k`` reads what pass ``k - 1`` predicted: a pass fed the target's own
+  features instead would score as the first pass does (negative control)."""
+  weights, vocab_ids, _, corpus = trained
+  head = PARAMS.embed[jnp.asarray(vocab_ids)]
+  batch = tuple(jnp.asarray(a[:8]) for a in (corpus.tokens, corpus.mask, corpus.features,
+                                             corpus.lse))
+  key = jax.random.key(0)
+
+  def loss(unroll, **kwargs):
+    return draft_training.draft_loss(weights, PARAMS.embed, head, batch, key, config=CONFIG,
+                                     unroll=unroll, noise=0.0, **kwargs)
+
+  (l0, ce0), (l1, ce1), (l2, ce2) = loss(0), loss(1), loss(2)
+  assert float(ce0) == float(ce1) == float(ce2)
+  assert float(l0) < float(l1) < float(l2)
+  # With weight 1 on the unrolled passes and no feature term, pass 1's loss alone is l1 - l0:
+  # larger than the first pass's (it reads predictions, not the target's features).
+  plain0, _ = loss(0, feature_weight=0.0)
+  plain1, _ = loss(1, feature_weight=0.0, unrolled_weight=1.0)
+  assert float(plain1 - plain0) > float(plain0) + 1e-3
+
+
+def test_the_prompt_sets_are_distinct_instructions_and_hold_no_benchmark_prompt():
+  from specdec_jax.app import e2e
+
+  for name, prompts in train_draft.PROMPT_SETS.items():
+    assert len(set(prompts)) == len(prompts), name
+    assert not set(prompts) & set(e2e.PROMPTS.values()), name
+  assert len(train_draft.PROMPT_SETS["wide"]) == 148
+  assert set(train_draft.TRAIN_PROMPTS) < set(train_draft.WIDE_PROMPTS)
