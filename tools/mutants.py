@@ -513,6 +513,24 @@ MUTANTS: tuple[Mutant, ...] = (
      "k=cache.k.at[:, rows, :, dst].set(cache.k[:, rows, :, dst]),",
      "copy_slots leaves the keys of the accepted path where the tree put them",
      "tests/models/test_llama.py", "-k", "copy_slots"),
+  # --- EAGLE-3's fused features ---------------------------------------------------------------
+  _m("fused-tap-after-the-layer", "models/llama_forward.py",
+     "    if k:\n      tapped.append(x)\n    if hi > lo:",
+     "    if hi > lo and k == 1:\n      xs = (jnp.arange(lo, lo + 1, dtype=jnp.int32), "
+     "jnp.asarray(layer_ids[lo:lo + 1], jnp.int32))\n      (x, cache), _ = lax.scan(body, "
+     "(x, cache), xs)\n      lo += 1\n    if k:\n      tapped.append(x)\n    if hi > lo:",
+     "the first tapped hidden state read after its layer instead of entering it",
+     "tests/models/test_eagle_fused.py", "-k", "tapped"),
+  _m("fused-taps-unnormalised", "models/eagle.py",
+     "  h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)\n",
+     "",
+     "the fused hidden states projected without normalising each one",
+     "tests/models/test_eagle_fused.py", "-k", "fuses_its_taps"),
+  _m("fused-target-reads-the-top-feature", "models/eagle.py",
+     "  base = make_model(target_params, target_config, name=name, feature_layers=taps)",
+     "  base = make_model(target_params, target_config, name=name)",
+     "the fused target hands the draft its top feature, not the fused low/middle/high ones",
+     "tests/models/test_eagle_fused.py", "-k", "fuses_its_taps"),
   # --- EAGLE-2's dynamic tree ------------------------------------------------------------------
   _m("dyntree-rerank-unsorted", "decoding/dynamic_tree.py",
      "chosen = jnp.sort(lax.top_k(cand_scores, tree.num_draft)[1], axis=1)",

@@ -23,6 +23,7 @@ from specdec_jax.models.llama import LlamaConfig
 from specdec_jax.models.llama import LlamaParams
 from specdec_jax.models.llama import init_cache
 from specdec_jax.models.llama import llama_apply_features
+from specdec_jax.models.llama import rms_norm
 
 
 def say(progress: bool, message: str) -> None:
@@ -69,10 +70,12 @@ def frequent_vocab(sequences: Sequence[np.ndarray], size: int, vocab: int,
 
 class Corpus:
   """Padded training arrays: ``tokens (N, T)``, ``mask (N, T)``, target ``features (N, T, D)``
-  and ``lse (N, T)`` (the log-normaliser of the target's full softmax at each position)."""
+  and ``lse (N, T)`` (the log-normaliser of the target's full softmax at each position); with
+  ``fused``, also ``hidden (N, T, k D)`` float16, the target's hidden states entering its
+  :func:`~specdec_jax.models.eagle.fused_layers` (EAGLE-3), else None."""
 
   def __init__(self, params: LlamaParams, config: LlamaConfig, sequences: Sequence[np.ndarray],
-               *, length: int, batch: int = 8, progress: bool = True):
+               *, length: int, batch: int = 8, progress: bool = True, fused: bool = False):
     n = len(sequences)
     self.tokens = np.zeros((n, length), np.int32)
     self.mask = np.zeros((n, length), bool)
@@ -80,21 +83,37 @@ class Corpus:
       s = s[:length]
       self.tokens[i, :len(s)] = s
       self.mask[i, :len(s)] = True
-    feats, lses = [], []
-    forward = jax.jit(lambda p, t, c: llama_apply_features(p, t, jnp.broadcast_to(
-      jnp.arange(length, dtype=jnp.int32), t.shape), c, config=config))
+    feats, lses, hidden = [], [], []
+    taps = eagle.fused_layers(config.n_layers)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+    @jax.jit
+    def forward(p, t, c):
+      if not fused:
+        logits, f, _ = llama_apply_features(p, t, positions, c, config=config)
+        return jax.nn.logsumexp(logits, axis=-1), f, None
+      # One pass: the taps and the last layer's output, final-normed here as the head reads it.
+      logits, h, _ = llama_apply_features(p, t, positions, c, config=config,
+                                          feature_layers=(*taps, config.n_layers))
+      top = len(taps) * config.dim
+      f = rms_norm(h[..., top:], p.final_norm, config.norm_eps)
+      return jax.nn.logsumexp(logits, axis=-1), f, h[..., :top]
+
     start = time.perf_counter()
     for i in range(0, n, batch):
       rows = self.tokens[i: i + batch]
       pad = batch - rows.shape[0]
       rows = np.pad(rows, ((0, pad), (0, 0)))
-      logits, f, _ = forward(params, jnp.asarray(rows), init_cache(config, batch, length))
+      lse, f, h = forward(params, jnp.asarray(rows), init_cache(config, batch, length))
       feats.append(np.asarray(f)[:batch - pad])
-      lses.append(np.asarray(jax.nn.logsumexp(logits, axis=-1))[:batch - pad])
+      lses.append(np.asarray(lse)[:batch - pad])
+      if fused:
+        hidden.append(np.asarray(h, np.float16)[:batch - pad])
       say(progress, f"  features: {min(i + batch, n)}/{n} sequences, "
                      f"{time.perf_counter() - start:.0f} s")
     self.features = np.concatenate(feats)
     self.lse = np.concatenate(lses)
+    self.hidden = np.concatenate(hidden) if fused else None
 
 
 def draft_loss(weights: eagle.EagleWeights, embed, head, batch, noise_key, *,
@@ -102,15 +121,22 @@ def draft_loss(weights: eagle.EagleWeights, embed, head, batch, noise_key, *,
                feature_weight: float = 0.1, unroll: int = 1):
   """EAGLE's losses on one batch, over a teacher-forced pass and ``unroll`` unrolled passes.
 
-  ``batch = (tokens (B, T), mask (B, T), features (B, T, D), lse (B, T))``. Position ``t``
-  reads ``x[t]`` and ``f[t - 1]`` (zeros at 0) and is scored against the target's next-token
-  probabilities at ``t`` on the draft vocabulary (cross-entropy) and against ``f[t]`` (smooth
-  L1). Unrolled pass ``k`` reads, in place of ``f[t - 1]``, what pass ``k - 1`` predicted
-  there: the ``k + 1``-th proposal of a draft run ahead of the target (the training-time test
-  of EAGLE-3 / HASS), weighted ``unrolled_weight``. Returns ``(loss, cross-entropy of the
-  first pass)``.
+  ``batch = (tokens (B, T), mask (B, T), features (B, T, D), lse (B, T))``, and for a draft
+  with ``weights.fuse`` (EAGLE-3) also ``hidden (B, T, k D)``. Position ``t`` reads ``x[t]``
+  and ``f[t - 1]`` (zeros at 0), or the fused hidden states at ``t - 1``, and is scored
+  against the target's next-token probabilities at ``t`` on the draft vocabulary
+  (cross-entropy) and, without ``fuse``, against ``f[t]`` (smooth L1; EAGLE-3 drops it).
+  Unrolled pass ``k`` reads, in place of ``f[t - 1]``, what pass ``k - 1`` predicted there:
+  the ``k + 1``-th proposal of a draft run ahead of the target (the training-time test of
+  EAGLE-3 / HASS), weighted ``unrolled_weight``. Returns ``(loss, cross-entropy of the first
+  pass)``.
   """
-  tokens, mask, feats, lse = batch
+  tokens, mask, feats, lse, *hidden = batch
+  if weights.fuse is not None:
+    if not hidden:
+      raise ValueError("draft_loss: a draft with `fuse` needs the batch's hidden states "
+                       "(tokens, mask, features, lse, hidden); got 4 arrays")
+    feature_weight = 0.0
   b, t = tokens.shape
   layer = eagle.layer_config(config)
   params = eagle.EagleParams(weights=weights, embed=embed, head=head)
@@ -127,8 +153,9 @@ def draft_loss(weights: eagle.EagleWeights, embed, head, batch, noise_key, *,
     reg = jnp.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5).mean(-1)
     return (ce * valid).sum() / count, (reg * valid).sum() / count, g
 
-  shifted = jnp.pad(feats, ((0, 0), (1, 0), (0, 0)))[:, :t]
-  scale = jnp.std(feats)
+  source = feats if weights.fuse is None else eagle.fuse_features(hidden[0], weights.fuse)
+  shifted = jnp.pad(source, ((0, 0), (1, 0), (0, 0)))[:, :t]
+  scale = jax.lax.stop_gradient(jnp.std(source))
   shifted = shifted + noise * scale * jax.random.uniform(noise_key, shifted.shape, minval=-1.0)
   ce1, reg1, g = run(shifted)
   loss = ce1 + feature_weight * reg1
@@ -156,7 +183,8 @@ def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_
                 *, steps: int, batch: int, learning_rate: float = 1e-3, seed: int = 0,
                 unroll: int = 1, progress: bool = True, log_every: int = 50):
   """Train the draft's weights on a :class:`Corpus`: ``(weights, losses)``; ``unroll``: the
-  unrolled passes of :func:`draft_loss`.
+  unrolled passes of :func:`draft_loss`. A corpus with ``hidden`` trains a fused-feature
+  (EAGLE-3) draft.
 
   Needs ``optax`` (``pip install 'specdec_jax[train]'``).
   """
@@ -164,7 +192,8 @@ def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_
 
   key = jax.random.key(seed)
   key, init_key = jax.random.split(key)
-  weights = eagle.init_weights(init_key, config)
+  fused = corpus.hidden is not None
+  weights = eagle.init_weights(init_key, config, fused=fused)
   head_all = params.embed if params.output is None else params.output
   head = jnp.take(head_all, jnp.asarray(vocab_ids), axis=0)
   schedule = learning_rate_schedule(steps, learning_rate)
@@ -187,6 +216,8 @@ def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_
     rows = rng.choice(n, size=batch, replace=n < batch)
     arrays = (jnp.asarray(corpus.tokens[rows]), jnp.asarray(corpus.mask[rows]),
               jnp.asarray(corpus.features[rows]), jnp.asarray(corpus.lse[rows]))
+    if fused:
+      arrays += (jnp.asarray(corpus.hidden[rows]),)
     key, sub = jax.random.split(key)
     with jax.numpy_dtype_promotion("standard"):  # optax relies on implicit promotion
       weights, state, loss, ce = step(weights, state, arrays, sub)

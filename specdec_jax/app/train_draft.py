@@ -14,7 +14,9 @@
    loss is the cross-entropy against the target's probabilities plus a feature regression
    (EAGLE's two losses), on ``--unroll`` unrolled passes too, where the draft reads its own
    predicted features as at inference (the "training-time test" of EAGLE-3/HASS), which is what
-   makes the second and later proposals usable.
+   makes the second and later proposals usable. With ``--fused`` (EAGLE-3) the draft reads a
+   learned projection of three of the target's hidden states (low, middle, high) in place of
+   ``f[t - 1]``, and only the cross-entropy is kept.
 
 Reference: Li et al., "EAGLE", arXiv:2401.15077; Cai et al., "Medusa", arXiv:2401.10774;
 Zhao et al., "FR-Spec", arXiv:2502.14856; Zhang et al., "HASS", arXiv:2408.15766.
@@ -185,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="unrolled passes of the training-time test: the draft trained on its "
                            "own predicted features, as for its 2nd .. (unroll + 1)-th proposal "
                            "(default: %(default)s)")
+  parser.add_argument("--fused", action="store_true",
+                      help="EAGLE-3's fused features: the draft reads a projection of the "
+                           "target's hidden states entering layers 2, 15 and 27 instead of its "
+                           "top feature (no feature regression)")
   parser.add_argument("--seed", type=_seed, default=0)
   return parser
 
@@ -296,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       np.savez(args.corpus, **{str(i): s for i, s in enumerate(sequences)})
   vocab_ids = frequent_vocab(sequences, DRAFT_VOCAB, config.vocab_size, [tokenizer.eos_id])
   say(True, "target features of the corpus ...")
-  corpus = Corpus(params, config, sequences, length=args.length)
+  corpus = Corpus(params, config, sequences, length=args.length, fused=args.fused)
   say(True, f"training: {args.steps} steps of {args.batch} sequences")
   weights, losses = train_eagle(params, config, corpus, vocab_ids, steps=args.steps,
                                 batch=args.batch, seed=args.seed, unroll=args.unroll)

@@ -17,6 +17,13 @@ verification rule handles exactly.
 
 Stored weights (:func:`save_eagle` / :func:`load_eagle`) hold only ``fc``, the layer and the
 subset's token ids, in float16; :func:`make_eagle_draft` joins them to the target's arrays.
+
+**Fused features** (EAGLE-3, Li et al. 2025, arXiv:2503.01840): a draft trained with
+``fuse`` reads, in place of the target's top feature, a projection of a low, a middle and a
+high hidden state of the target (:func:`fused_layers`, :func:`fuse_features`); the target
+that computes it is :func:`make_fused_target`. Its own output ``g[t]`` is still fed back while
+it runs ahead; nothing ties ``g`` to the target's features (no feature regression), the
+training-time test teaches the draft to read its own outputs.
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ from specdec_jax.models.llama import LlamaConfig
 from specdec_jax.models.llama import LlamaParams
 from specdec_jax.models.llama import decoder_layer
 from specdec_jax.models.llama import init_cache as llama_init_cache
+from specdec_jax.models.llama import make_model
 from specdec_jax.models.llama import rope_angles
 from specdec_jax.models.llama import tree_visibility
 from specdec_jax.models.protocol import FeatureDraft
+from specdec_jax.models.protocol import Model
 from specdec_jax.models.protocol import check_vocab_ids
 
 
@@ -48,10 +57,50 @@ class EagleWeights(NamedTuple):
   Attributes:
     fc: ``(2 D, D)``: ``concat(embedding, feature) @ fc`` is the layer's input.
     layer: :class:`~specdec_jax.models.llama.LayerParams` of one layer (leading axis 1).
+    fuse: ``(k D, D)`` or None: EAGLE-3's projection of the target's ``k`` fused hidden
+      states (:func:`fuse_features`); None for a draft that reads the top feature.
   """
 
   fc: jax.Array
   layer: LayerParams
+  fuse: jax.Array | None = None
+
+
+class FusedTargetParams(NamedTuple):
+  """The parameters of :func:`make_fused_target`'s model: the target's and the projection.
+
+  Attributes:
+    target: the target's :class:`~specdec_jax.models.llama.LlamaParams`.
+    fuse: ``(k D, D)``, :attr:`EagleWeights.fuse`.
+  """
+
+  target: LlamaParams
+  fuse: jax.Array
+
+
+def fused_layers(n_layers: int) -> tuple[int, ...]:
+  """EAGLE-3's low, middle and high layers of an ``n_layers`` target: the hidden states
+  entering layers ``2``, ``n_layers // 2`` and ``n_layers - 3`` (distinct ones, fewer for a
+  target of under 6 layers). SmolLM2-135M (30 layers): ``(2, 15, 27)``."""
+  return tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}))
+
+
+def fuse_features(hidden: jax.Array, fuse: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """EAGLE-3's fused feature: each of the ``k`` hidden states RMS-normalised (no weights, so
+  the residual stream's growth with depth does not weigh them), concatenated, times ``fuse``.
+
+  Args:
+    hidden: ``(..., k D)``: what :func:`~specdec_jax.models.llama.llama_apply_features` returns
+      with ``feature_layers=fused_layers(L)``.
+    fuse: ``(k D, D)``.
+
+  Returns:
+    float32 ``(..., D)``.
+  """
+  d = fuse.shape[1]
+  h = hidden.astype(jnp.float32).reshape(*hidden.shape[:-1], -1, d)
+  h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+  return h.reshape(*hidden.shape[:-1], -1) @ fuse.astype(jnp.float32)
 
 
 class EagleParams(NamedTuple):
@@ -73,9 +122,10 @@ def layer_config(target: LlamaConfig) -> LlamaConfig:
   return target._replace(n_layers=1)
 
 
-def init_weights(key: jax.Array, target: LlamaConfig) -> EagleWeights:
+def init_weights(key: jax.Array, target: LlamaConfig, *, fused: bool = False) -> EagleWeights:
   """Fresh weights: ``fc`` maps the feature half to itself (the draft starts as "copy the
-  feature, apply the layer"), the layer is small so the residual path dominates."""
+  feature, apply the layer"), the layer is small so the residual path dominates; with
+  ``fused``, ``fuse`` starts as the normalised high hidden state."""
   c = layer_config(target)
   d = c.dim
   n_q, n_kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -90,7 +140,11 @@ def init_weights(key: jax.Array, target: LlamaConfig) -> EagleWeights:
     wv=dense((1, d, n_kv)), wo=dense((1, n_q, d)), mlp_norm=jnp.ones((1, d)),
     w_gate=dense((1, d, c.ffn_dim)), w_up=dense((1, d, c.ffn_dim)),
     w_down=dense((1, c.ffn_dim, d)))
-  return EagleWeights(fc=fc, layer=layer)
+  if not fused:
+    return EagleWeights(fc=fc, layer=layer)
+  k = len(fused_layers(target.n_layers))
+  fuse = jnp.concatenate([jnp.zeros(((k - 1) * d, d)), jnp.eye(d)], axis=0)
+  return EagleWeights(fc=fc, layer=layer, fuse=fuse)
 
 
 def eagle_apply(params: EagleParams, tokens: jax.Array, features: jax.Array, positions: jax.Array,
@@ -192,6 +246,78 @@ def make_eagle_draft(weights: EagleWeights, vocab_ids: np.ndarray | jax.Array,
                       tree_apply=tree_apply)
 
 
+def make_fused_target(weights: EagleWeights, target_params: LlamaParams,
+                      target_config: LlamaConfig, *, name: str = "llama") -> Model:
+  """The target as a fused-feature draft reads it (EAGLE-3): its feature forms return
+  :func:`fuse_features` of its :func:`fused_layers`; ``apply`` and ``tree_apply`` are the
+  target's own (same logits, so plain decoding and verification are unchanged).
+
+  Args:
+    weights: :class:`EagleWeights` with ``fuse`` (trained with it).
+    target_params: the target's :class:`~specdec_jax.models.llama.LlamaParams`.
+    target_config: the target's shape.
+    name: label for tables.
+
+  Returns:
+    :class:`~specdec_jax.models.protocol.Model` with params :class:`FusedTargetParams`, for
+    :func:`~specdec_jax.decoding.speculative_generate` with the draft of
+    :func:`make_eagle_draft` (same weights).
+
+  Raises:
+    ValueError: ``weights.fuse`` is None or not ``(k D, D)``.
+
+  Example:
+    >>> import jax
+    >>> from specdec_jax.models import llama
+    >>> c = llama.LlamaConfig(vocab_size=32, dim=16, n_layers=6, n_heads=2, n_kv_heads=1,
+    ...                       head_dim=8, ffn_dim=32)
+    >>> p = llama.init_params(jax.random.key(0), c)
+    >>> w = init_weights(jax.random.key(1), c, fused=True)
+    >>> target = make_fused_target(w, p, c)
+    >>> _, f, _ = target.apply_features(target.params, jax.numpy.zeros((1, 3), "int32"),
+    ...                                 jax.numpy.arange(3)[None], target.init_cache(1, 8))
+    >>> f.shape
+    (1, 3, 16)
+
+  Reference:
+    Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+    Training-Time Test", arXiv:2503.01840.
+  """
+  taps = fused_layers(target_config.n_layers)
+  shape = (len(taps) * target_config.dim, target_config.dim)
+  if weights.fuse is None or tuple(weights.fuse.shape) != shape:
+    got = None if weights.fuse is None else tuple(weights.fuse.shape)
+    raise ValueError(f"make_fused_target: `weights.fuse` must be {shape} (the projection of "
+                     f"the target's layers {taps}; train with --fused), got {got}")
+  base = make_model(target_params, target_config, name=name, feature_layers=taps)
+  apply, tree_apply, features, tree_features = _fused_functions(
+    base.apply, base.tree_apply, base.apply_features, base.tree_apply_features)
+  params = FusedTargetParams(target=target_params, fuse=jnp.asarray(weights.fuse, jnp.float32))
+  return base._replace(params=params, apply=apply, tree_apply=tree_apply,
+                       apply_features=features, tree_apply_features=tree_features)
+
+
+@functools.cache
+def _fused_functions(apply, tree_apply, features, tree_features):
+  """The target's functions on :class:`FusedTargetParams`, built once per target shape (so
+  loops that take them as static arguments compile once)."""
+
+  def on_target(fn):
+    @functools.wraps(fn)
+    def call(params, *args):
+      return fn(params.target, *args)
+    return call
+
+  def fused(fn):
+    @functools.wraps(fn)
+    def call(params, *args):
+      logits, hidden, cache = fn(params.target, *args)
+      return logits, fuse_features(hidden, params.fuse), cache
+    return call
+
+  return on_target(apply), on_target(tree_apply), fused(features), fused(tree_features)
+
+
 @functools.cache
 def _functions(config: LlamaConfig):
   apply = jax.jit(functools.partial(eagle_apply, config=config))
@@ -205,6 +331,8 @@ def save_eagle(path: str | Path, weights: EagleWeights, vocab_ids: np.ndarray) -
             "vocab_ids": np.asarray(vocab_ids, np.int32)}
   for field, value in weights.layer._asdict().items():
     arrays[f"layer.{field}"] = np.asarray(value, np.float16)
+  if weights.fuse is not None:
+    arrays["fuse"] = np.asarray(weights.fuse, np.float16)
   np.savez_compressed(path, **arrays)
 
 
@@ -213,7 +341,9 @@ def load_eagle(path: str | Path) -> tuple[EagleWeights, np.ndarray]:
   with np.load(path) as z:
     layer = LayerParams(**{f: jnp.asarray(z[f"layer.{f}"], jnp.float32)
                            for f in LayerParams._fields})
-    return EagleWeights(fc=jnp.asarray(z["fc"], jnp.float32), layer=layer), z["vocab_ids"]
+    fuse = jnp.asarray(z["fuse"], jnp.float32) if "fuse" in z.files else None
+    return EagleWeights(fc=jnp.asarray(z["fc"], jnp.float32), layer=layer,
+                        fuse=fuse), z["vocab_ids"]
 
 
 def num_weights(weights: EagleWeights) -> int:

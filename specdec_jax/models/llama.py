@@ -101,25 +101,49 @@ def llama_apply_features(
   *,
   config: LlamaConfig,
   layers: tuple[int, ...] | None = None,
+  feature_layers: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
   """:func:`llama_apply` that also returns the hidden states the output head reads.
 
   The protocol's ``Model.apply_features``, for drafts that read the target's features
-  (EAGLE, :class:`~specdec_jax.models.eagle.EagleConfig`).
+  (EAGLE, :mod:`specdec_jax.models.eagle`).
+
+  Args:
+    feature_layers: static increasing indices into the layers run, or ``None``. When given,
+      the features are the hidden states entering those layers, concatenated (EAGLE-3 reads a
+      low, a middle and a high one; :func:`~specdec_jax.models.eagle.fused_layers`); the
+      number of layers run stands for the last one's output (before the final norm).
 
   Returns:
     ``(logits (B, T, V), features (B, T, D), cache)``: ``features`` are the final-normed hidden
-    states, so ``logits = features @ head.T``.
+    states, so ``logits = features @ head.T``; with ``feature_layers``, ``(B, T, k * D)`` for
+    ``k`` layers.
 
   Reference:
     Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty",
-    arXiv:2401.15077 (the draft reads the target's top-layer features).
+    arXiv:2401.15077 (the draft reads the target's top-layer features); Li et al., "EAGLE-3",
+    arXiv:2503.01840 (low, middle and high features).
   """
   tokens = jnp.asarray(tokens, jnp.int32)
   positions = jnp.asarray(positions, jnp.int32)
   size = cache.k.shape[3]
   visible = jnp.arange(size, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-  return forward(params, tokens, positions, positions, visible, cache, config, layers)
+  taps = check_feature_layers("llama_apply_features", feature_layers, config, layers)
+  return forward(params, tokens, positions, positions, visible, cache, config, layers, taps)
+
+
+def check_feature_layers(fn: str, feature_layers, config: LlamaConfig,
+                         layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
+  """``feature_layers`` as a tuple of ints after checking that they increase and index the
+  layers run; ``None`` stays ``None``. Raises ``ValueError`` naming ``fn`` otherwise."""
+  if feature_layers is None:
+    return None
+  n_run = config.n_layers if layers is None else len(layers)
+  taps = tuple(int(i) for i in feature_layers)
+  if not taps or any(not 0 <= i <= n_run for i in taps) or list(taps) != sorted(set(taps)):
+    raise ValueError(f"{fn}: `feature_layers` must be increasing indices in [0, {n_run}] (the "
+                     f"layers run; {n_run}: the last one's output), got {tuple(feature_layers)}")
+  return taps
 
 
 def llama_tree_apply(
@@ -175,16 +199,19 @@ def llama_tree_apply_features(
   *,
   config: LlamaConfig,
   layers: tuple[int, ...] | None = None,
+  feature_layers: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
   """:func:`llama_tree_apply` that also returns the hidden states the head reads: the
   protocol's ``Model.tree_apply_features``, for a feature draft (EAGLE) that drafts a tree.
 
   Returns:
-    ``(logits (B, T, V), features (B, T, D), cache)``.
+    ``(logits (B, T, V), features (B, T, D), cache)`` (``feature_layers`` as in
+    :func:`llama_apply_features`).
   """
   slots, visible = tree_visibility(start, nodes, tree_mask, cache.k.shape[3])
+  taps = check_feature_layers("llama_tree_apply_features", feature_layers, config, layers)
   return forward(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-                 slots, visible, cache, config, layers)
+                 slots, visible, cache, config, layers, taps)
 
 
 def make_model(
@@ -193,6 +220,7 @@ def make_model(
   *,
   layers: Sequence[int] | None = None,
   name: str | None = None,
+  feature_layers: Sequence[int] | None = None,
 ) -> Model:
   """Bundle a Llama as a :class:`Model` (jitted ``apply``, ``init_cache``).
 
@@ -205,6 +233,10 @@ def make_model(
       other layer gives perplexity in the millions, while skipping layers 4, 5, 16 and 17
       (the four that cost least) keeps a mean acceptance ``sum(min(p, q))`` of about 0.7.
     name: label for tables (default ``"llama"`` or ``"llama[k/L layers]"``).
+    feature_layers: what the feature forms return (:func:`llama_apply_features`): ``None``,
+      the final-normed hidden states; or increasing indices into the layers run, the hidden
+      states entering them, concatenated (EAGLE-3, :func:`~specdec_jax.models.eagle.
+      make_fused_target`).
 
   Returns:
     :class:`Model` with ``apply(params, tokens (B, T), positions (B, T), cache)
@@ -224,7 +256,9 @@ def make_model(
       layer_ids = None  # all layers: the same functions as the full model
   if name is None:
     name = "llama" if layer_ids is None else f"llama[{len(layer_ids)}/{config.n_layers} layers]"
-  apply, make_cache, tree_apply, apply_features, tree_features = _functions(config, layer_ids)
+  taps = check_feature_layers("make_model", feature_layers, config, layer_ids)
+  apply, make_cache, tree_apply, apply_features, tree_features = _functions(config, layer_ids,
+                                                                            taps)
   return Model(
     params=params, apply=apply, init_cache=make_cache, vocab_size=config.vocab_size, name=name,
     tree_apply=tree_apply, copy_slots=_copy_slots_jit, context_length=config.max_position,
@@ -233,9 +267,10 @@ def make_model(
 
 
 @functools.cache
-def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
-  """``(apply, init_cache, tree_apply, apply_features, tree_apply_features)`` for a config and
-  layer subset, built once.
+def _functions(config: LlamaConfig, layers: tuple[int, ...] | None,
+               feature_layers: tuple[int, ...] | None = None):
+  """``(apply, init_cache, tree_apply, apply_features, tree_apply_features)`` for a config,
+  layer subset and feature layers, built once.
 
   Models of the same shape get the same function objects, so a loop that takes them as static
   (hashed) arguments compiles once for all of them.
@@ -243,9 +278,10 @@ def _functions(config: LlamaConfig, layers: tuple[int, ...] | None):
   n_run = config.n_layers if layers is None else len(layers)
   apply = jax.jit(functools.partial(llama_apply, config=config, layers=layers))
   tree_apply = jax.jit(functools.partial(llama_tree_apply, config=config, layers=layers))
-  features = jax.jit(functools.partial(llama_apply_features, config=config, layers=layers))
+  features = jax.jit(functools.partial(llama_apply_features, config=config, layers=layers,
+                                       feature_layers=feature_layers))
   tree_features = jax.jit(functools.partial(llama_tree_apply_features, config=config,
-                                            layers=layers))
+                                            layers=layers, feature_layers=feature_layers))
   return (_checked_apply(apply, config.vocab_size), functools.partial(init_cache, config,
                                                                        n_layers=n_run),
           _checked_tree_apply(tree_apply, config.vocab_size),

@@ -8,6 +8,7 @@ forms (``apply``, ``tree_apply`` and their feature forms) on them and re-exports
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -100,12 +101,16 @@ def decoder_layer(
 
 def forward(params: LlamaParams, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
             visible: jax.Array, cache: KVCache, config: LlamaConfig,
-            layers: tuple[int, ...] | None) -> tuple[jax.Array, jax.Array, KVCache]:
+            layers: tuple[int, ...] | None,
+            taps: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
   """The forward shared by :func:`~specdec_jax.models.llama.llama_apply` and the other forms.
 
   Token ``(b, t)`` is rotated by ``positions[b, t]``, written to ``slots[b, t]`` and attends to
   the slots ``s`` with ``visible[b, t, s]``. Returns ``(logits, features, cache)``: the
-  features are the final-normed hidden states ``(B, T, D)`` the head reads.
+  features are the final-normed hidden states ``(B, T, D)`` the head reads, or with ``taps``
+  (increasing indices into the layers run, their number for the last one's output) the hidden
+  states entering each of those layers, concatenated: ``(B, T, len(taps) * D)`` (EAGLE-3's
+  low, middle and high features).
   """
   c = config
   layer_ids = tuple(range(c.n_layers)) if layers is None else tuple(layers)
@@ -122,8 +127,15 @@ def forward(params: LlamaParams, tokens: jax.Array, positions: jax.Array, slots:
     w = jax.tree.map(lambda a: a[layer], params.layers)
     return decoder_layer(c, w, *carry, j, slots, visible, cos, sin), None
 
-  xs = (jnp.arange(len(layer_ids), dtype=jnp.int32), jnp.asarray(layer_ids, jnp.int32))
-  (x, cache), _ = lax.scan(body, (x, cache), xs)
+  # One scan over the layers run, cut where a tapped hidden state is read (no extra work).
+  bounds = (0, *(taps or ()), len(layer_ids))
+  tapped = []
+  for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+    if k:
+      tapped.append(x)
+    if hi > lo:
+      xs = (jnp.arange(lo, hi, dtype=jnp.int32), jnp.asarray(layer_ids[lo:hi], jnp.int32))
+      (x, cache), _ = lax.scan(body, (x, cache), xs)
 
   x = rms_norm(x, params.final_norm, c.norm_eps)
   head = params.embed if params.output is None else params.output
@@ -132,7 +144,8 @@ def forward(params: LlamaParams, tokens: jax.Array, positions: jax.Array, slots:
   # logits would silently differ from the true ones, so they are NaN (like those of an
   # out-of-range token id), which every loop and verifier reading them reports.
   outside = (slots < 0) | (slots >= cache.k.shape[3])
-  return jnp.where(outside[..., None], jnp.nan, logits), x, cache
+  features = x if taps is None else jnp.concatenate(tapped, axis=-1)
+  return jnp.where(outside[..., None], jnp.nan, logits), features, cache
 
 
 def tree_visibility(start: jax.Array, nodes: jax.Array, tree_mask: jax.Array,

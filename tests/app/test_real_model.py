@@ -228,6 +228,7 @@ def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
     draft = PromptLookup()
   elif draft_name.startswith("eagle"):
     draft = smollm2_lib.load_eagle_draft(params, config)
+    target = smollm2_lib.feature_target(params, config, draft)  # fused features, if trained so
   else:
     draft = llama.make_model(params, config, layers=skip)
   adaptive = AdaptiveSpeculation() if draft_name.endswith("-adaptive") else None
@@ -251,6 +252,42 @@ def test_greedy_speculative_equals_greedy_plain(smollm2, draft_name):
   if draft_name == "eagle":  # the committed weights are trained: most first proposals accepted
     stats = fast.stats
     assert int(stats.accepted_at[0, 0]) >= 0.3 * int(stats.proposed_at[0, 0]), stats
+
+
+def test_a_fused_feature_draft_runs_with_the_target_that_computes_its_features(smollm2,
+                                                                              tmp_path):
+  """Weights trained with ``train_draft --fused`` (here: fresh ones with a random projection):
+  bench-e2e's Setup pairs the draft with the fused target, whose features are the projection of
+  SmolLM2's hidden states entering layers 2, 15 and 27; greedy output equals plain decoding."""
+  import jax
+
+  from specdec_jax.app import e2e
+  from specdec_jax.models import eagle
+
+  params, config, tok = smollm2
+  weights = eagle.init_weights(jax.random.key(0), config, fused=True)
+  weights = weights._replace(fuse=weights.fuse + 0.01 * jax.random.normal(
+    jax.random.key(1), weights.fuse.shape))
+  path = tmp_path / "fused.npz"
+  eagle.save_eagle(path, weights, np.arange(2048))
+  setup = e2e.Setup(progress=False, eagle_weights=path)
+  target = setup.target_for("eagle")
+  assert setup.target_for("eagle-adaptive") is target and setup.target_for("lookup") is setup.target
+  ids = jnp.asarray([tok.chat_ids("Name a colour.")], jnp.int32)
+  positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+  _, fused, _ = target.apply_features(target.params, ids, positions,
+                                      target.init_cache(1, ids.shape[1]))
+  taps = llama.make_model(params, config, feature_layers=(2, 15, 27))
+  _, hidden, _ = taps.apply_features(taps.params, ids, positions, taps.init_cache(1, ids.shape[1]))
+  np.testing.assert_allclose(fused, eagle.fuse_features(hidden, target.params.fuse), atol=1e-4,
+                             rtol=1e-4)
+  runs = {}
+  for name in ("plain", "eagle"):
+    call, _ = e2e._make_call(setup, "Name a colour.", name, gamma=2, temperature=0.0,
+                             max_new_tokens=12, seed=0, verifier="token")
+    runs[name] = call()
+  np.testing.assert_array_equal(runs["eagle"].tokens, runs["plain"].tokens)
+  assert int(runs["eagle"].error[0]) == 0
 
 
 def test_the_committed_draft_is_compact(smollm2):

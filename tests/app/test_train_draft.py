@@ -50,7 +50,9 @@ def _acceptance(weights, vocab_ids, corpus) -> float:
   params = eagle.EagleParams(weights, PARAMS.embed, head)
   tokens, mask, feats = (jnp.asarray(a) for a in (corpus.tokens, corpus.mask, corpus.features))
   b, t = tokens.shape
-  shifted = jnp.pad(feats, ((0, 0), (1, 0), (0, 0)))[:, :t]
+  inputs = feats if weights.fuse is None else eagle.fuse_features(jnp.asarray(corpus.hidden),
+                                                                  weights.fuse)
+  shifted = jnp.pad(inputs, ((0, 0), (1, 0), (0, 0)))[:, :t]
   layer = eagle.layer_config(CONFIG)
   logits, _, _ = eagle.eagle_apply(params, tokens, shifted,
                                    jnp.broadcast_to(jnp.arange(t), (b, t)),
@@ -68,6 +70,66 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained):
   fresh = eagle.init_weights(jax.random.key(1), CONFIG)
   before, after = _acceptance(fresh, vocab_ids, corpus), _acceptance(weights, vocab_ids, corpus)
   assert after > before + 0.1, (before, after)
+
+
+@pytest.fixture(scope="module")
+def trained_fused(trained):
+  """The same corpus with the target's hidden states: an EAGLE-3 draft (fused features)."""
+  _, vocab_ids, _, corpus = trained
+  sequences = [t[m] for t, m in zip(corpus.tokens, corpus.mask, strict=True)]
+  fused = draft_training.Corpus(PARAMS, CONFIG, sequences, length=32, progress=False, fused=True)
+  weights, losses = draft_training.train_eagle(PARAMS, CONFIG, fused, vocab_ids, steps=150,
+                                            batch=8, learning_rate=3e-3, progress=False)
+  return weights, vocab_ids, losses, fused
+
+
+def test_a_fused_corpus_holds_the_same_features_and_the_taps(trained, trained_fused):
+  _, _, _, corpus = trained
+  _, _, _, fused = trained_fused
+  np.testing.assert_allclose(fused.features, corpus.features, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(fused.lse, corpus.lse, atol=1e-5, rtol=1e-5)
+  taps = llama.make_model(PARAMS, CONFIG, feature_layers=eagle.fused_layers(CONFIG.n_layers))
+  t = fused.tokens[:2]
+  _, hidden, _ = taps.apply_features(taps.params, jnp.asarray(t),
+                                     jnp.broadcast_to(jnp.arange(32), t.shape),
+                                     taps.init_cache(2, 32))
+  np.testing.assert_allclose(fused.hidden[:2], hidden, rtol=2e-3, atol=2e-3)  # float16
+  assert corpus.hidden is None
+
+
+def test_training_a_fused_draft_lowers_the_loss_and_raises_acceptance(trained_fused):
+  weights, vocab_ids, losses, corpus = trained_fused
+  assert weights.fuse is not None
+  assert np.mean(losses[-15:]) < 0.8 * np.mean(losses[:15]), losses[::15]
+  fresh = eagle.init_weights(jax.random.key(1), CONFIG, fused=True)
+  before = _acceptance(fresh, vocab_ids, corpus)
+  after = _acceptance(weights, vocab_ids, corpus)
+  assert after > before + 0.1, (before, after)
+
+
+def test_a_fused_draft_needs_the_hidden_states():
+  w = eagle.init_weights(jax.random.key(0), CONFIG, fused=True)
+  batch = (jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), bool),
+           jnp.zeros((1, 4, CONFIG.dim)), jnp.zeros((1, 4)))
+  with pytest.raises(ValueError, match="draft_loss: a draft with `fuse` needs the batch's "
+                                       "hidden states"):
+    draft_training.draft_loss(w, PARAMS.embed, PARAMS.embed[:8], batch, jax.random.key(0),
+                              config=CONFIG)
+
+
+def test_decoding_with_the_trained_fused_draft_is_exact_and_accepts(trained_fused):
+  weights, vocab_ids, _, _ = trained_fused
+  draft = eagle.make_eagle_draft(weights, vocab_ids, PARAMS, CONFIG)
+  target = eagle.make_fused_target(weights, PARAMS, CONFIG)
+  prompt = jnp.asarray([p[:3] for p in PROMPTS[:4]], jnp.int32)
+  lengths = jnp.full((4,), 3, jnp.int32)
+  greedy = SamplingParams(0.0)
+  plain = generate(TARGET, prompt, lengths, jax.random.key(0), max_new_tokens=20, params=greedy)
+  fast = speculative_generate(target, draft, prompt, lengths, jax.random.key(0), gamma=3,
+                              max_new_tokens=20, params=greedy)
+  np.testing.assert_array_equal(fast.tokens, plain.tokens)
+  np.testing.assert_array_equal(fast.error, 0)
+  assert int(fast.stats.accepted.sum()) > 0.3 * int(fast.stats.proposals.sum())
 
 
 def test_stored_weights_round_trip(trained, tmp_path):
