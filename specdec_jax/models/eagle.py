@@ -220,7 +220,8 @@ def make_eagle_draft(weights: EagleWeights, vocab_ids: np.ndarray | jax.Array,
   Returns:
     :class:`~specdec_jax.decoding.FeatureDraft` for
     :func:`~specdec_jax.decoding.speculative_generate` (with a target that has
-    ``apply_features``).
+    ``apply_features``; for weights with ``fuse``, the target of :func:`make_fused_target`,
+    without which the draft reads features it was not trained on: still exact, rarely accepted).
 
   Example:
     >>> import jax
