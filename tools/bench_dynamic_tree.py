@@ -46,6 +46,7 @@ def main() -> None:
   args = parser.parse_args()
   setup = Setup(progress=False)
   target, draft, eos = setup.target, setup.drafts["eagle"], setup.tokenizer.eos_id
+  feature_target = setup.target_for("eagle")  # the same logits; the features the draft reads
   new = args.max_new_tokens
   print(f"{'prompt':<11} {'temp':>4}  {'variant':<22} {'new':>4} {'calls':>5} {'tok/call':>8} "
         f"{'ms':>7} {'speed-up':>8}  same as plain")
@@ -59,10 +60,10 @@ def main() -> None:
       calls = {"plain": functools.partial(generate, target, *args_, **common)}
       for label, (kind, shape) in VARIANTS.items():
         if kind == "chain":
-          calls[label] = functools.partial(speculative_generate, target, draft, *args_,
+          calls[label] = functools.partial(speculative_generate, feature_target, draft, *args_,
                                            gamma=shape, **common)
         else:
-          calls[label] = functools.partial(tree_speculative_generate, target, draft, *args_,
+          calls[label] = functools.partial(tree_speculative_generate, feature_target, draft, *args_,
                                            tree=shape, **common)
       results = {label: jax.block_until_ready(call()) for label, call in calls.items()}
       times: dict[str, list[float]] = {label: [] for label in calls}

@@ -40,7 +40,7 @@ def _variants(setup, costs, ids, temperature):
       policy = adaptive_policy(costs, draft, gamma, observe=observe)
       out[f"{draft}-adaptive obs={observe}"] = (
         lambda draft=draft, gamma=gamma, policy=policy: speculative_generate(
-          setup.target, setup.drafts[draft], prompt, lengths, key, gamma=gamma,
+          setup.target_for(draft), setup.drafts[draft], prompt, lengths, key, gamma=gamma,
           max_new_tokens=MAX_NEW, params=params, eos_id=eos, adaptive=policy))
   return out
 

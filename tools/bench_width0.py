@@ -42,8 +42,8 @@ def main() -> None:
   n = args.max_new_tokens
   never = AdaptiveSpeculation(fixed_cost=1e6)
 
-  def loop(draft, gamma):
-    return lambda: speculative_generate(setup.target, draft, prompt, lengths, key, gamma=gamma,
+  def loop(draft, gamma, target=setup.target):
+    return lambda: speculative_generate(target, draft, prompt, lengths, key, gamma=gamma,
                                         max_new_tokens=n, params=params, adaptive=never)
 
   def plain(extra=0):  # the chain loop's KV cache has gamma more slots than plain decoding's
@@ -54,7 +54,7 @@ def main() -> None:
               "plain, cache + 4": plain(4), "plain, cache + 8": plain(8),
               "lookup, never proposing": loop(PromptLookup(), 4),
               "lookup, gamma 2": loop(PromptLookup(), 2),
-              "eagle, never proposing": loop(setup.drafts["eagle"], 2)}
+              "eagle, never proposing": loop(setup.drafts["eagle"], 2, setup.target_for("eagle"))}
   end = len(ids) + n
   plain_tokens = jax.block_until_ready(variants["plain"]()).tokens[:, :end]
   for name, run in variants.items():  # compile; greedy output must be plain greedy's

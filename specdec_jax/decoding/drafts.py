@@ -73,6 +73,12 @@ def feature_fns(draft: FeatureDraft, target: Model, name: str, *,
   if tree and draft.tree_apply is None:
     raise ValueError(f"{name}: the FeatureDraft {draft.name!r} has no `tree_apply` (tree "
                      f"attention over the draft's nodes), needed to draft a tree.")
+  reads, given = draft.reads, getattr(target, "features", None)
+  if reads is not None and given is not None and reads != given:
+    raise ValueError(f"{name}: the FeatureDraft {draft.name!r} reads the target's {reads}, but "
+                     f"the feature forms of the target {target.name!r} return its {given} "
+                     "(a draft trained on EAGLE-3's fused features runs with "
+                     "specdec_jax.models.eagle.make_fused_target's target).")
   ids = check_vocab_ids(name, draft.vocab_ids, target.vocab_size)
   return (FeatureFns(draft.apply, draft.init_cache, int(ids.shape[0]), draft.tree_apply,
                      f"{name}: `draft`"), (draft.params, ids))

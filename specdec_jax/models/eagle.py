@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.models.llama import FINAL_FEATURES
 from specdec_jax.models.llama import KVCache
 from specdec_jax.models.llama import LayerParams
 from specdec_jax.models.llama import LlamaConfig
@@ -83,6 +84,12 @@ def fused_layers(n_layers: int) -> tuple[int, ...]:
   entering layers ``2``, ``n_layers // 2`` and ``n_layers - 3`` (distinct ones, fewer for a
   target of under 6 layers). SmolLM2-135M (30 layers): ``(2, 15, 27)``."""
   return tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)}))
+
+
+def fused_label(n_layers: int) -> str:
+  """``Model.features`` of :func:`make_fused_target` (and ``FeatureDraft.reads`` of a fused
+  draft) for a target of ``n_layers`` layers."""
+  return f"EAGLE-3 fusion of the hidden states entering layers {fused_layers(n_layers)}"
 
 
 def fuse_features(hidden: jax.Array, fuse: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -243,8 +250,10 @@ def make_eagle_draft(weights: EagleWeights, vocab_ids: np.ndarray | jax.Array,
   params = EagleParams(weights=jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), weights),
                        embed=target_params.embed, head=jnp.take(head_all, ids, axis=0))
   apply, cache, tree_apply = _functions(layer_config(target_config))
+  reads = (FINAL_FEATURES if weights.fuse is None
+           else fused_label(target_config.n_layers))
   return FeatureDraft(params=params, apply=apply, init_cache=cache, vocab_ids=ids, name=name,
-                      tree_apply=tree_apply)
+                      tree_apply=tree_apply, reads=reads)
 
 
 def make_fused_target(weights: EagleWeights, target_params: LlamaParams,
@@ -295,7 +304,8 @@ def make_fused_target(weights: EagleWeights, target_params: LlamaParams,
     base.apply, base.tree_apply, base.apply_features, base.tree_apply_features)
   params = FusedTargetParams(target=target_params, fuse=jnp.asarray(weights.fuse, jnp.float32))
   return base._replace(params=params, apply=apply, tree_apply=tree_apply,
-                       apply_features=features, tree_apply_features=tree_features)
+                       apply_features=features, tree_apply_features=tree_features,
+                       features=fused_label(target_config.n_layers))
 
 
 @functools.cache

@@ -242,9 +242,10 @@ def make_model(
     :class:`Model` with ``apply(params, tokens (B, T), positions (B, T), cache)
     -> (logits (B, T, V) float32, cache)``, ``init_cache(batch, max_len)``, the tree
     functions :func:`llama_tree_apply` and :func:`copy_slots`, the feature forms
-    :func:`llama_apply_features` and :func:`llama_tree_apply_features`, and ``context_length =
-    config.max_position``. Called with concrete arguments, ``apply`` and ``tree_apply``
-    raise on token ids outside ``[0, V)`` and on cache slots outside ``[0, max_len)``.
+    :func:`llama_apply_features` and :func:`llama_tree_apply_features` (``features``:
+    :func:`feature_label`), and ``context_length = config.max_position``. Called with
+    concrete arguments, ``apply`` and ``tree_apply`` raise on token ids outside ``[0, V)``
+    and on cache slots outside ``[0, max_len)``.
   """
   check_config(config)
   layer_ids = None if layers is None else tuple(int(i) for i in layers)
@@ -263,7 +264,19 @@ def make_model(
     params=params, apply=apply, init_cache=make_cache, vocab_size=config.vocab_size, name=name,
     tree_apply=tree_apply, copy_slots=_copy_slots_jit, context_length=config.max_position,
     apply_features=apply_features, tree_apply_features=tree_features,
+    features=feature_label(taps),
   )
+
+
+#: ``Model.features`` of a Llama whose feature forms return the final-normed hidden state.
+FINAL_FEATURES = "final-normed hidden state"
+
+
+def feature_label(feature_layers: Sequence[int] | None) -> str:
+  """``Model.features`` of :func:`make_model` with these ``feature_layers`` (see there)."""
+  if feature_layers is None:
+    return FINAL_FEATURES
+  return f"hidden states entering layers {tuple(int(i) for i in feature_layers)}"
 
 
 @functools.cache

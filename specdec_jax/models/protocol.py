@@ -78,6 +78,10 @@ class Model(NamedTuple):
     context_length: optional number of positions the model was trained for (its context
       window). The decoding loops never generate past it: a budget that does not fit raises
       when the lengths are concrete, and rows that reach it stop with ``OUT_OF_ROOM``.
+    features: optional label of what the feature forms return (for a Llama
+      ``"final-normed hidden state"``, or EAGLE-3's fused layers). A :class:`FeatureDraft`
+      whose ``reads`` is set runs only with a target whose label is the same: a draft fed
+      features it was not trained on stays exact but is rarely accepted.
   """
 
   params: Any
@@ -90,6 +94,7 @@ class Model(NamedTuple):
   context_length: int | None = None
   apply_features: Callable[..., Any] | None = None
   tree_apply_features: Callable[..., Any] | None = None
+  features: str | None = None
 
 
 class FeatureDraft(NamedTuple):
@@ -119,6 +124,8 @@ class FeatureDraft(NamedTuple):
       (T, N)) -> (logits (B, T, K), features (B, T, D), cache)``, with the slot and visibility
       contract of ``Model.tree_apply``; ``features[:, t]`` is the predicted feature of node
       ``nodes[t]``'s parent.
+    reads: optional label of the target features the draft was trained on; when both it and
+      the target's ``Model.features`` are set they must be equal (the loops raise otherwise).
 
   Reference:
     Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML 2024,
@@ -132,6 +139,7 @@ class FeatureDraft(NamedTuple):
   vocab_ids: Any
   name: str = "feature draft"
   tree_apply: Callable[..., Any] | None = None
+  reads: str | None = None
 
 
 def check_vocab_ids(fn: str, vocab_ids, vocab: int) -> jax.Array:

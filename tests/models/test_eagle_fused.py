@@ -146,6 +146,38 @@ def _draft(vocab_ids=None):
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_draft_and_a_target_of_other_features_are_refused(tree):
+  """A fused draft with the plain target, or a top-feature draft with the fused target, would
+  read features it was not trained on (exact, but rarely accepted): the loops raise, naming both;
+  a target without a label (a user's own Model) is not checked."""
+  prompt, lengths = jnp.zeros((1, 3), jnp.int32), jnp.array([3], jnp.int32)
+  plain = llama.make_model(PARAMS, CONFIG)
+  fused = eagle.make_fused_target(_fused_weights(), PARAMS, CONFIG)
+  top = eagle.make_eagle_draft(eagle.init_weights(jax.random.key(9), CONFIG),
+                               np.arange(CONFIG.vocab_size), PARAMS, CONFIG)
+  assert plain.features == llama.FINAL_FEATURES == top.reads
+  assert fused.features == eagle.fused_label(CONFIG.n_layers) == _draft().reads
+
+  def run(target, draft):
+    if tree:
+      return tree_speculative_generate(target, draft, prompt, lengths, jax.random.key(0),
+                                       tree=DraftTree.from_branching((2, 1)), max_new_tokens=4)
+    return speculative_generate(target, draft, prompt, lengths, jax.random.key(0), gamma=2,
+                                max_new_tokens=4)
+
+  name = "tree_speculative_generate" if tree else "speculative_generate"
+  with pytest.raises(ValueError, match=rf"{name}: the FeatureDraft .* reads the target's EAGLE-3 "
+                                       r"fusion .* return its final-normed hidden state"):
+    run(plain, _draft())
+  with pytest.raises(ValueError, match=r"reads the target's final-normed hidden state, but .* "
+                                       r"return its EAGLE-3 fusion of the hidden states entering "
+                                       r"layers \(2, 3\)"):
+    run(fused, top)
+  out = run(fused._replace(features=None), top)  # unlabelled: the user's responsibility
+  np.testing.assert_array_equal(out.error, 0)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_fused_draft_greedy_equals_plain(tree):
   target = eagle.make_fused_target(_fused_weights(), PARAMS, CONFIG)
   prompt = jax.random.randint(jax.random.key(5), (3, 4), 0, CONFIG.vocab_size, jnp.int32)
