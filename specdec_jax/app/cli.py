@@ -199,7 +199,7 @@ def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool
                            "one's output is streamed first; -adaptive: adaptive speculation")
   parser.add_argument("--gamma", type=positive_int, default=None,
                       help="proposals per step for every draft (default: each draft's best on "
-                           "this CPU, e2e.DEFAULT_GAMMA: lookup 4, eagle 2, skip/early 4)")
+                           "this CPU, e2e.DEFAULT_GAMMA: lookup 4, eagle 3, skip/early 4)")
   parser.add_argument("--temperature", type=temperature, nargs="+",
                       default=[0.0] if generate_command else [0.0, 0.7],
                       help="sampling temperatures; 0 is greedy")

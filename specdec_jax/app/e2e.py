@@ -93,7 +93,7 @@ DRAFTS = ("lookup", "lookup-adaptive", "eagle", "eagle-adaptive", "eagle+tree", 
 #: The draft tree of ``--verifier tree`` per draft unless ``--tree`` says otherwise (candidates
 #: per node at each depth). Layer drafts: 2 after the root, 2 after each of those, then one more
 #: each for two levels (15 nodes, depth 4, as gamma = 4). The learned draft: its 4 most likely
-#: tokens, then one more after each (9 nodes, depth 2, as its gamma): the best of the shapes
+#: tokens, then one more after each (9 nodes, depth 2): the best of the shapes
 #: measured side by side on this CPU (wider or deeper trees accept more per call, but the
 #: target's call on more tokens costs more than they gain).
 DEFAULT_TREE = {"skip": (2, 2, 1, 1), "early": (2, 2, 1, 1), "eagle": (4, 1)}

@@ -126,3 +126,28 @@ def test_the_mean_over_seeds_is_an_aligned_table_of_each_variant():
   assert eagle.index("1.17x") == plain.index("1.00x (") == header.index("speed-up")
   assert eagle.index(" 3 ") + 2 == plain.index(" 3 ") + 2 == header.index("seeds") + 5
   assert set(rule) == {" ", "-"}
+
+
+def test_calls_timed_together_take_turns_so_a_burst_of_load_slows_each_alike(monkeypatch):
+  """A burst of load from another process (here: the 4th to 7th calls cost 100 more) lands on both
+  calls when they take turns, and the medians keep their ratio; timed one after the other, the
+  burst lands on one call's block only (the negative control)."""
+  clock, order = [0.0], []
+
+  def burst(n):  # the n-th call in time, counted from 0, falls inside the burst
+    return 100.0 if 3 <= n < 7 else 0.0
+
+  def call(name, cost):
+    def fn():
+      clock[0] += cost + burst(len(order))
+      order.append(name)
+    return fn
+
+  monkeypatch.setattr(e2e_costs.time, "perf_counter", lambda: clock[0])
+  fns = {"step": call("step", 1.0), "wide": call("wide", 2.0)}
+  medians = e2e_costs.timed_together(fns, repeats=5)
+  assert order == ["step", "wide"] * 6  # one compiling call each, then 5 rounds in turn
+  assert medians == {"step": 1.0, "wide": 2.0}
+  order.clear()
+  alone = {name: e2e_costs.timed(fn, 5)[2] for name, fn in fns.items()}
+  assert alone["step"] == 101.0 and alone["wide"] == 2.0  # the burst took the step's block
