@@ -27,7 +27,7 @@ from specdec_jax import SamplingParams
 from specdec_jax import process_logits
 from specdec_jax import speculative_generate
 from specdec_jax.app.e2e_costs import conditional_acceptance
-from specdec_jax.app.e2e_costs import timed
+from specdec_jax.app.e2e_costs import timed_together
 from specdec_jax.decoding import DraftTree
 from specdec_jax.decoding import DynamicTree
 from specdec_jax.decoding import TreePlan
@@ -87,12 +87,12 @@ def dynamic_tree(choice: Sized) -> DynamicTree | None:
   return DynamicTree(top_k=RANKS, depth=min(choice.tree.depth + 1, nodes), num_draft=nodes)
 
 
-def loop_call_ms(model: Any, tokens: int, max_len: int, *, tree: bool, repeats: int = 5,
-                 calls: int = 8) -> float:
-  """Median ms of one target call on ``tokens`` tokens inside a jitted loop (the cache updated in
-  place, as in the decoding loops): ``apply_features``, or with ``tree`` ``tree_apply_features``
-  on a tree of the root and ``tokens - 1`` children. Each call's logits choose the next call's
-  token, so XLA cannot drop the output head (most of a step's cost for a small model)."""
+def loop_calls(model: Any, tokens: int, max_len: int, *, tree: bool, calls: int = 8):
+  """A function that runs ``calls`` target calls on ``tokens`` tokens inside a jitted loop (the
+  cache updated in place, as in the decoding loops): ``apply_features``, or with ``tree``
+  ``tree_apply_features`` on a tree of the root and ``tokens - 1`` children. Each call's logits
+  choose the next call's token, so XLA cannot drop the output head (most of a step's cost for a
+  small model)."""
   width = tokens
   nodes = jnp.arange(width, dtype=jnp.int32)
   mask = (nodes[:, None] == nodes[None]) | (nodes[None] == 0)
@@ -113,16 +113,21 @@ def loop_call_ms(model: Any, tokens: int, max_len: int, *, tree: bool, repeats: 
     return lax.fori_loop(0, calls, body, (cache, jnp.int32(1)))
 
   cache = model.init_cache(1, max_len)
-  _, _, seconds = timed(lambda: run(model.params, cache), repeats)
-  return seconds * 1e3 / calls
+  return lambda: run(model.params, cache)
 
 
-def measure_curves(setup: Any, max_len: int = 320) -> dict[str, dict[int, float]]:
+def measure_curves(setup: Any, max_len: int = 320, repeats: int = 5,
+                   calls: int = 8) -> dict[str, dict[int, float]]:
   """``{"chain": {k: ms}, "tree": {k: ms}}``: the target's call on ``k`` tokens in a loop, as
   the chain loop calls it and as the tree loop does (tree attention), for ``k`` in
-  :data:`CURVE_TOKENS`."""
-  return {kind: {k: loop_call_ms(setup.target, k, max_len, tree=kind == "tree")
-                 for k in CURVE_TOKENS} for kind in ("chain", "tree")}
+  :data:`CURVE_TOKENS`; every width timed in turn (:func:`~specdec_jax.app.e2e_costs.
+  timed_together`), so a burst of load cannot bend one part of the curve."""
+  target = setup.target_for("eagle")  # the target the eagle loops call (its feature forms)
+  fns = {(kind, k): loop_calls(target, k, max_len, tree=kind == "tree", calls=calls)
+         for kind in ("chain", "tree") for k in CURVE_TOKENS}
+  seconds = timed_together(fns, repeats)
+  return {kind: {k: seconds[kind, k] * 1e3 / calls for k in CURVE_TOKENS}
+          for kind in ("chain", "tree")}
 
 
 def call_costs(curve: dict[int, float], verify_ms: float, sample_ms: float) -> np.ndarray:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import types
+
+import jax
 import pytest
 
 from specdec_jax.app import e2e
 from specdec_jax.app import e2e_costs
+from specdec_jax.app import e2e_tree
+from specdec_jax.models import llama
 
 COSTS = e2e_costs.Costs(target_step=19.0, target_verify={4: 22.2},
                   draft_step={"lookup": 0.0, "eagle": 1.0},
@@ -151,3 +156,26 @@ def test_calls_timed_together_take_turns_so_a_burst_of_load_slows_each_alike(mon
   order.clear()
   alone = {name: e2e_costs.timed(fn, 5)[2] for name, fn in fns.items()}
   assert alone["step"] == 101.0 and alone["wide"] == 2.0  # the burst took the step's block
+
+
+def test_the_cost_curves_time_every_width_of_both_forms_in_turn(monkeypatch):
+  """``measure_curves`` runs the eagle target's chain and tree calls for every width of the
+  curve, all timed together (one round calls each in turn), and returns ms per call."""
+  config = llama.LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                             head_dim=8, ffn_dim=32, max_position=512)
+  model = llama.make_model(llama.init_params(jax.random.key(0), config), config)
+  setup = types.SimpleNamespace(target_for={"eagle": model}.__getitem__)
+  seen = []
+
+  def together(fns, repeats):
+    seen.append((sorted(fns), repeats))
+    return {name: 0.004 for name in fns}  # 4 ms for the loop of 2 calls
+
+  monkeypatch.setattr(e2e_tree, "CURVE_TOKENS", (1, 3))
+  monkeypatch.setattr(e2e_tree, "timed_together", together)
+  curves = e2e_tree.measure_curves(setup, repeats=2, calls=2)
+  assert seen == [([("chain", 1), ("chain", 3), ("tree", 1), ("tree", 3)], 2)]
+  assert curves == {"chain": {1: 2.0, 3: 2.0}, "tree": {1: 2.0, 3: 2.0}}
+  monkeypatch.undo()
+  fn = e2e_tree.loop_calls(model, 3, 320, tree=True, calls=2)  # the real loop runs
+  assert fn()[1].shape == ()
