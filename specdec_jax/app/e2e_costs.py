@@ -246,9 +246,44 @@ def predicted_speedup(run: Run, costs: Costs) -> float:
   if run.iteration_ms:  # eagle+sized/+dynamic: its acceptance by depth at the planned cost
     iteration = run.iteration_ms
   else:
-    iteration = (costs.draft_sync[draft] + (run.gamma - 1) * costs.draft_step[draft]
-                 + costs.target_verify[run.gamma] + costs.verify[run.gamma])
+    iteration = _chain_iteration_ms(costs, draft, run.gamma)
   return plain / (prefill + n / tokens_per_iteration * iteration)
+
+
+def _chain_iteration_ms(costs: Costs, draft: str, gamma: int) -> float:
+  """An iteration of the chain at a fixed ``gamma`` from the pieces measured alone."""
+  return (costs.draft_sync[draft] + (gamma - 1) * costs.draft_step[draft]
+          + costs.target_verify[gamma] + costs.verify[gamma])
+
+
+def loop_overhead_ms(run: Run, costs: Costs) -> float | None:
+  """The loop's own ms per iteration: what the run took beyond its model calls, sampling and
+  verification as measured alone, ``(measured - modelled) / iterations``.
+
+  The model takes the run's own iterations (target calls after the prefill; for plain decoding
+  its steps) and counts, not expected ones, so what is left is the loop's work around the calls
+  (buffers, bookkeeping, the policy, padding) and the machine's noise: the gap between
+  :func:`predicted_speedup` and the measured speed-up, per iteration. None where the model does
+  not apply (trees; the sized and dynamic plans, whose costs are in the plan's own units).
+  """
+  if run.draft.endswith("+tree") or run.iteration_ms or not run.seconds:
+    return None
+  prefill, unit = costs.prefill[run.prompt], costs.target_step + costs.sample
+  if run.draft == "plain":
+    iterations = max(run.new_tokens - 1, 1)
+    modelled = iterations * unit
+  elif not run.alphas:  # +sized/+dynamic that chose plain decoding
+    return None
+  else:
+    draft = run.draft.partition("+")[0]
+    iterations = max(run.target_calls - 1, 1)
+    if draft.endswith("-adaptive"):
+      policy = adaptive_policy(costs, draft.removesuffix("-adaptive"), run.gamma)
+      modelled = iterations * unit * (1 + policy.fixed_cost) + run.proposals * unit * (
+        policy.draft_cost + policy.verify_cost)
+    else:
+      modelled = iterations * _chain_iteration_ms(costs, draft, run.gamma)
+  return (run.seconds * 1e3 - prefill - modelled) / iterations
 
 
 def conditional_acceptance(proposed_at: np.ndarray, accepted_at: np.ndarray) -> tuple[float, ...]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specdec_jax.app.e2e_costs import Costs
+from specdec_jax.app.e2e_costs import loop_overhead_ms
 from specdec_jax.app.e2e_costs import predicted_speedup
 from specdec_jax.app.tables import format_table
 
@@ -43,7 +44,7 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
   """Print the comparison table."""
   plain = {(r.prompt, r.temperature): r for r in runs if r.draft == "plain"}
   header = ("prompt", "temp", "draft", "gamma", "tokens", "tok/s", "speed-up", "predicted",
-            "tok/call", "acceptance by position", "compile s")
+            "loop ms/it", "tok/call", "acceptance by position", "compile s")
   rows = []
   for r in runs:
     base = plain.get((r.prompt, r.temperature))
@@ -57,10 +58,12 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
       if r.draft.endswith(("+sized", "+dynamic")) and not r.alphas:
         pred = "1.00x"  # plain decoding was chosen
       acc = " ".join(f"{a:.2f}" for a in r.alphas)
+    overhead = loop_overhead_ms(r, costs)
     rows.append((r.prompt, f"{r.temperature:g}", r.draft, str(r.gamma) if r.alphas else "",
-                 str(r.new_tokens), f"{tok_s:.1f}", speed, pred, f"{r.tokens_per_call:.2f}",
+                 str(r.new_tokens), f"{tok_s:.1f}", speed, pred,
+                 "" if overhead is None else f"{overhead:.1f}", f"{r.tokens_per_call:.2f}",
                  acc, f"{r.compile_seconds:.1f}"))
-  print(format_table(header, rows, align="lrlrrrrrrl"), file=out)
+  print(format_table(header, rows, align="lrlrrrrrrrl"), file=out)
   prefill = ", ".join(f"{k} {v:.1f}" for k, v in costs.prefill.items())
   calls = ", ".join(f"{g + 1} tokens {v:.2f}" for g, v in costs.target_verify.items())
   verifies = ", ".join(f"gamma {g} {v:.2f}" for g, v in costs.verify.items())
@@ -77,7 +80,10 @@ def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:
             for k, (first, lazy) in costs.verify_cut.items()), file=out)
   print("  speed-up: this run's tokens/s over plain decoding's. predicted: Leviathan et al. "
         "Theorem 3.8 from the measured\n  acceptance by position (alpha_i) and the costs above, "
-        "prefill included (see specdec_jax.app.e2e_costs.predicted_speedup).", file=out)
+        "prefill included (see specdec_jax.app.e2e_costs.predicted_speedup).\n  loop ms/it: "
+        "the run's time beyond its calls, sampling and verification as measured alone, per "
+        "iteration (its own\n  iterations and proposals; e2e_costs.loop_overhead_ms): the loop's "
+        "own work, and the machine's noise.", file=out)
   if any(r.draft.endswith("+sized") for r in runs):
     print("  +sized: the best predicted of plain decoding, the chain and the tree plan_tree sized "
           "from the measured cost curves\n  and the draft's calibrated acceptance (see above); "

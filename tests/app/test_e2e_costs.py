@@ -179,3 +179,25 @@ def test_the_cost_curves_time_every_width_of_both_forms_in_turn(monkeypatch):
   monkeypatch.undo()
   fn = e2e_tree.loop_calls(model, 3, 320, tree=True, calls=2)  # the real loop runs
   assert fn()[1].shape == ()
+
+
+def test_the_loop_overhead_is_the_time_beyond_the_modelled_calls_per_iteration():
+  plain = _run("plain", seconds=(60.0 + 100 * 19.2 + 100 * 0.5) / 1e3)
+  assert e2e_costs.loop_overhead_ms(plain, COSTS) == pytest.approx(0.5)
+  # 20 iterations of gamma 4 at 1.5 + 3 * 1.0 + 22.2 + 0.4 = 27.1 ms, plus 2 ms each.
+  chain = _run("eagle", alphas=(1.0, 1.0, 1.0, 1.0), target_calls=21,
+               seconds=(60.0 + 20 * 27.1 + 20 * 2.0) / 1e3)
+  assert e2e_costs.loop_overhead_ms(chain, COSTS) == pytest.approx(2.0)
+  # Adaptive: what predicted_speedup spends on the run's own counts, so with no overhead the
+  # measured speed-up is the predicted one.
+  counts = dict(alphas=(0.5,), target_calls=41, proposals=60)
+  policy = e2e.adaptive_policy(COSTS, "eagle", gamma=4)
+  spent = 40 * 19.2 * (1 + policy.fixed_cost) + 60 * 19.2 * (policy.draft_cost + policy.verify_cost)
+  adaptive = _run("eagle-adaptive", seconds=(60.0 + spent) / 1e3, **counts)
+  assert e2e_costs.loop_overhead_ms(adaptive, COSTS) == pytest.approx(0.0, abs=1e-9)
+  base = (60.0 + 100 * 19.2) / 1e3
+  assert base / adaptive.seconds == pytest.approx(e2e_costs.predicted_speedup(adaptive, COSTS))
+  for other in (_run("eagle+tree", alphas=(0.5,), target_calls=5),
+                _run("eagle+sized", alphas=(0.5,), target_calls=5, iteration_ms=20.0),
+                _run("eagle+dynamic")):  # not modelled here: none
+    assert e2e_costs.loop_overhead_ms(other, COSTS) is None
