@@ -531,6 +531,11 @@ MUTANTS: tuple[Mutant, ...] = (
      "  base = make_model(target_params, target_config, name=name)",
      "the fused target hands the draft its top feature, not the fused low/middle/high ones",
      "tests/models/test_eagle_fused.py", "-k", "fuses_its_taps"),
+  _m("fused-draft-any-target", "decoding/drafts.py",
+     "  if reads is not None and given is not None and reads != given:",
+     "  if False:",
+     "a fused draft runs with the plain target (exact, but fed features it was not trained on)",
+     "tests/models/test_eagle_fused.py", "-k", "refused"),
   # --- EAGLE-2's dynamic tree ------------------------------------------------------------------
   _m("dyntree-rerank-unsorted", "decoding/dynamic_tree.py",
      "chosen = jnp.sort(lax.top_k(cand_scores, tree.num_draft)[1], axis=1)",
