@@ -1,14 +1,15 @@
 """What adaptive speculation's width branches cost, against the same proposals without them.
 
-``python tools/bench_width_branches.py [--branches run_one|switch|widest] [--rounds 7]``:
+``python tools/bench_width_branches.py [--branches run_one|switch|widest|two] [--rounds 7]``:
 SmolLM2-135M-Instruct, greedy, the copy-edit prompt of ``bench-e2e`` (128 new tokens at most).
 Plain decoding, plain prompt lookup (gamma 4), and prompt lookup under an
 ``AdaptiveSpeculation`` that always proposes 4: the same proposals and target calls, so the gap
 is what the adaptive loop adds (its width branches, the policy). ``--branches`` picks how the
 loop's target call chooses its width: ``run_one`` (the library's, one ``while_loop`` per
-width), ``lax.switch``, or ``widest`` (no branching: always the widest call, the same output
-here). Then a target call on 5 tokens inside a jitted loop, called directly, through
-``run_one`` and through ``lax.switch``. Every variant is compiled first, then timed in turn
+width), ``lax.switch``, ``widest`` (no branching: always the widest call, the same output
+here) or ``two`` (``run_one`` over two widths only: one token or the widest). Then a target
+call on 5 tokens inside a jitted loop, called directly, through ``run_one`` and through
+``lax.switch``. Every variant is compiled first, then timed in turn
 each round (medians). Needs the ``model`` extra.
 """
 
@@ -41,6 +42,11 @@ def _switch(index, branches, cache):
 def _widest(index, branches, cache):
   del index
   return branches[-1](cache)
+
+
+def _two(index, branches, cache):
+  """Two branches only: one token, or the widest call (the same output when proposing 4)."""
+  return run_one((index > 0).astype(jnp.int32), [branches[0], branches[-1]], cache)
 
 
 def loops(setup: Setup, rounds: int) -> None:
@@ -97,10 +103,12 @@ def calls(setup: Setup, rounds: int, n: int = 8, max_len: int = 320) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--branches", choices=("run_one", "switch", "widest"), default="run_one")
+  parser.add_argument("--branches", choices=("run_one", "switch", "widest", "two"),
+                      default="run_one")
   parser.add_argument("--rounds", type=int, default=7)
   args = parser.parse_args()
-  chain_loop.run_one = {"run_one": run_one, "switch": _switch, "widest": _widest}[args.branches]
+  chain_loop.run_one = {"run_one": run_one, "switch": _switch, "widest": _widest,
+                        "two": _two}[args.branches]
   setup = Setup(progress=False)
   print(f"branches: {args.branches}")
   loops(setup, args.rounds)
