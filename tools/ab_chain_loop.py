@@ -13,7 +13,15 @@ A draft is ``lookup``, ``eagle``, or either with ``-adaptive`` and optionally ``
 ``AdaptiveSpeculation`` that never proposes) or ``:always`` (one that always proposes gamma).
 Plain ``-adaptive`` uses the cost model of ``bench-e2e`` with the costs it measured on
 2026-12-07 (a target step 28.4 ms, a call on 4 / 5 tokens 38.1 / 40.4 ms, an EAGLE step 1.3 ms):
-pass ``--verify-cost`` etc. to change them. Needs the ``model`` extra.
+edit :data:`MEASURED` to change them. Needs the ``model`` extra.
+
+The loop structures the README compares with the committed one are patches in
+``tools/patches/`` (whole iterations in the adaptive width branches; the hybrid that keeps the
+call alone at width 0)::
+
+  git worktree add /tmp/other HEAD
+  git -C /tmp/other apply "$PWD/tools/patches/adaptive_whole_iteration_branches.diff"
+  python tools/ab_chain_loop.py /tmp/other/specdec_jax/decoding/chain_loop.py
 """
 
 from __future__ import annotations
