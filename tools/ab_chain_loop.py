@@ -68,6 +68,12 @@ def main() -> None:
   parser.add_argument("--drafts", default="lookup-adaptive,lookup-adaptive:never")
   parser.add_argument("--rounds", type=int, default=7)
   args = parser.parse_args()
+  for draft in args.drafts.split(","):
+    name, _, policy = draft.partition(":")
+    if name not in ("lookup", "eagle", "lookup-adaptive", "eagle-adaptive") or policy not in (
+        "", "never", "always") or (policy and not name.endswith("-adaptive")):
+      parser.error(f"--drafts: expected lookup or eagle, optionally with -adaptive and then "
+                   f":never or :always, got {draft!r}")
   loops = {"other": load_loop(args.other), "this": chain.speculative_loop}
   setup = Setup(progress=False)
   ids = setup.encode(PROMPTS[args.prompt])
