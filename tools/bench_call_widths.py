@@ -3,7 +3,8 @@
 ``python tools/bench_call_widths.py [--widths 1 2 4] [--rounds 5]``: batch 1, a 512-slot KV
 cache, 16 calls per jitted ``fori_loop`` (each call's argmax feeds the next, the cache carried
 as in a decoding loop); every variant is compiled first, then timed in turn each round
-(medians), so the ratios are side by side. Variants of the projections of each layer:
+(medians, :func:`~specdec_jax.app.e2e_costs.timed_together`), so the ratios are side by side.
+Variants of the projections of each layer:
 
 * ``scan``: the committed forward (``models.llama_forward.forward``: a scan over the layers
   reading each layer's weights out of the stacked arrays by a dynamic index);
@@ -23,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
 import types
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specdec_jax.app.e2e_costs import timed_together
 from specdec_jax.app.smollm2 import load_smollm2
 from specdec_jax.models import llama_forward
 from specdec_jax.models.llama_params import init_cache
@@ -120,17 +120,12 @@ def main() -> None:
     if token != last[("scan", width)]:
       raise SystemExit(f"{name} at width {width} ended on token {token}, the committed "
                        f"forward on {last[('scan', width)]}")
-  times = {key: [] for key in variants}
-  for _ in range(args.rounds):
-    for key, (run, p) in variants.items():
-      start = time.perf_counter()
-      jax.block_until_ready(run(p, cache))
-      times[key].append((time.perf_counter() - start) / CALLS * 1e3)
-  base = statistics.median(times[("scan", min(args.widths))])
+  seconds = timed_together({key: lambda run=run, p=p: run(p, cache)
+                            for key, (run, p) in variants.items()}, args.rounds)
+  base = seconds[("scan", min(args.widths))]
   print(f"{'variant':12s} {'tokens':>6s} {'ms/call':>8s}  of scan on {min(args.widths)}")
-  for (name, width), values in times.items():
-    ms = statistics.median(values)
-    print(f"{name:12s} {width:6d} {ms:8.1f}  {ms / base:.2f}x")
+  for (name, width), s in seconds.items():
+    print(f"{name:12s} {width:6d} {s / CALLS * 1e3:8.1f}  {s / base:.2f}x")
 
 
 if __name__ == "__main__":
