@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from specdec_jax._checks import compute_dtype
+from specdec_jax._process import kept_set_keys
+from specdec_jax._process import temperature_scale
 from specdec_jax._row_passes import block_maxima
 from specdec_jax._row_passes import exp_sums
 from specdec_jax._row_passes import first_max
@@ -60,7 +62,8 @@ class LogitStats(NamedTuple):
 
   Attributes:
     top: the largest finite logit (0 for a broken row).
-    scale: the temperature (1 for greedy rows).
+    scale: the temperature (1 for greedy rows; capped:
+      :func:`~specdec_jax._process.temperature_scale`).
     norm: ``S``, the sum of ``exp(z)`` over the kept set.
     cut_value: ``t``, a logit: entries with ``x > t`` are kept ...
     cut_id: ... and those with ``x == t`` and a global id ``< cut_id``.
@@ -151,15 +154,18 @@ def _bisected_row(x, top, scale, k_eff, top_p, *, axis_name):
   dtype = x.dtype
   vocab = full_vocab(x.shape[-1], axis_name)
   z = scaled(x, top, scale)
+  key = kept_set_keys(x)  # cut on the raw logits, as process_row
   every = (z == z) | True  # typed like the row (inside shard_map: varying over its axis)
   keep = every
   if k_eff is not None:
-    keep = lax.cond(k_eff < vocab, lambda: top_k_mask(z, k_eff, axis_name), lambda: every)
+    keep = lax.cond(k_eff < vocab, lambda: top_k_mask(key, k_eff, axis_name), lambda: every)
   if top_p is not None:
     clipped = jnp.clip(top_p, jnp.finfo(dtype).tiny, 1)
     masked = jnp.where(keep, z, -jnp.inf)
+    masked_key = jnp.where(keep, key, -jnp.inf)
     keep = keep & lax.cond(
-      clipped < 1, lambda: top_p_mask(masked, softmax(masked, axis_name), clipped, axis_name),
+      clipped < 1,
+      lambda: top_p_mask(masked_key, softmax(masked, axis_name), clipped, axis_name),
       lambda: every)
   first = 0 if axis_name is None else lax.axis_index(axis_name).astype(jnp.int32) * x.shape[-1]
   ids = first + jnp.arange(x.shape[-1], dtype=jnp.int32)
@@ -280,7 +286,7 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
     argmax = lax.pmin(jnp.where(local_top == raw_top, first_column(vocab_local, axis_name)
                                 + argmax, vocab), axis_name)
   greedy = ~(temperature > 0)
-  scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
+  scale = temperature_scale(temperature, greedy)
 
   # A NaN the max may drop (XLA:CPU's does, see `nan_rows`); a sum propagates it. When some
   # row samples from its whole row, one more read gives the normaliser of every row, NaN

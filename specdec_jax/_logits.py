@@ -134,10 +134,16 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
   1. ``temperature``: divide by it; ``0`` means greedy (point mass on the argmax).
   2. ``top_k``: keep the ``k`` largest logits. Ties at the boundary are broken
      toward the lower token id (as a stable sort would), so exactly ``k`` survive.
-  3. ``top_p``: over the softmax of what survived, ordered by probability with the
-     same tie-breaking, keep each token whose preceding mass is ``< top_p`` (the
-     first token always survives; the token that crosses ``top_p`` is kept).
+  3. ``top_p``: over the softmax of what survived, in the same order, keep each token
+     whose preceding mass is ``< top_p`` (the first token always survives; the token
+     that crosses ``top_p`` is kept).
   4. Softmax (log-sum-exp stabilised) over the survivors.
+
+  The order of steps 2 and 3 is that of the *raw* logits (descending, ties toward the
+  lower id), never of the temperature-scaled ones: a temperature can round two distinct
+  logits to one value, and every verifier from logits, :func:`sample_draft` and the
+  decoding loops cut the same order, so they all keep the same set
+  (``specdec_jax.reference.process_logits`` states it in float64).
 
   Nothing is sorted: top-k and top-p are threshold searches by bisection over the row
   (:mod:`specdec_jax._threshold`, as in tpu-inference and FlashInfer), about 32 passes each

@@ -34,7 +34,9 @@ def scaled_logits(logits: jax.Array, temperature,
 
   ``z = (x - max(x)) / T`` over the finite logits (``-inf`` stays ``-inf``): every entry is
   ``<= 0`` and the largest is 0, so no positive temperature, however small or large, can
-  turn a row into NaN (a tiny ``T`` sends the others to ``-inf``, i.e. probability 0).
+  turn a row into NaN (a tiny ``T`` sends the others to ``-inf``, i.e. probability 0; a huge
+  or infinite ``T`` is capped, :func:`temperature_scale`, so that a masked ``-inf`` logit stays
+  ``-inf`` in every fusion instead of ``-inf / inf = NaN``).
   ``greedy`` is ``~(T > 0)`` (0, negative or NaN). ``broken`` marks a row the model got
   wrong: a NaN or ``+inf`` logit, or no finite logit at all. With ``axis_name`` (the row split
   over that mesh axis), ``logits`` and ``z`` are this device's slice; the max and the flags are
@@ -48,9 +50,43 @@ def scaled_logits(logits: jax.Array, temperature,
   bad = any_if(jnp.any(jnp.isnan(x) | (x == jnp.inf)), axis_name)
   broken = bad | ~any_if(jnp.any(finite), axis_name)
   top = reduce_if(lax.pmax, jnp.max(jnp.where(finite, x, -jnp.inf)), axis_name)
-  scale = jnp.where(greedy, jnp.ones((), dtype), temperature)
+  scale = temperature_scale(temperature, greedy)
   z = jnp.where(finite, (x - jnp.where(broken, 0, top)) / scale, -jnp.inf)
   return z, greedy, broken
+
+
+def temperature_scale(temperature: jax.Array, greedy: jax.Array) -> jax.Array:
+  """What the logits are divided by: the temperature, 1 for greedy rows, at most ``1 / tiny``.
+
+  ``1 / finfo.tiny`` (``2**126``, about ``8.5e37``, in float32) is the largest divisor whose
+  reciprocal is a normal float: XLA may divide by multiplying with the reciprocal, and the
+  reciprocal of a larger ``T`` (``1e38``, ``inf``) flushes to 0, making a masked ``-inf`` logit
+  ``-inf * 0 = NaN`` (a broken row) in the lazy statistics' unselected passes
+  (:func:`~specdec_jax._row_passes.exp_sums`). Capped, ``(x - max) / T`` still rounds to 0 for
+  every logit below ``1e30`` in magnitude, so the law is the uniform one over the kept tokens,
+  as ``T = inf`` promises.
+  """
+  dtype = temperature.dtype
+  cap = jnp.asarray(1 / jnp.finfo(dtype).tiny, dtype)
+  return jnp.where(greedy, jnp.ones((), dtype), jnp.minimum(temperature, cap))
+
+
+def kept_set_keys(logits: jax.Array) -> jax.Array:
+  """The values the kept set of top-k / top-p is defined on: the raw logits (``-inf`` where not
+  finite), in the processing dtype.
+
+  **The one definition of the kept set.** Tokens are ordered by raw logit, descending, ties
+  toward the lower id; top-k keeps the first ``k`` of that order, top-p each token whose
+  preceding mass (in that order, under the temperature-scaled softmax of what top-k kept) is
+  ``< top_p``. It is the raw logits, not the scaled ones, that are compared: dividing by a
+  temperature can round two distinct logits to one value (``1.0`` and ``nextafter(1.0, 2)`` at
+  ``T = 10``; every logit at ``T = 1e38``), and the lazy statistics, which cut on the raw
+  logits, would then keep another set. :func:`process_row`, the lazy statistics
+  (:mod:`specdec_jax._lazy`), :func:`~specdec_jax.sample_draft`, the decoding loops and every
+  verifier follow it; ``specdec_jax.reference.process_logits`` is its float64 statement.
+  """
+  x = logits.astype(compute_dtype(logits.dtype))
+  return jnp.where(jnp.isfinite(x), x, -jnp.inf)
 
 
 def _argmax_one_hot(logits: jax.Array, axis_name: str) -> jax.Array:
@@ -73,12 +109,14 @@ def process_row(logits: jax.Array, params: SamplingParams,
   z, greedy, broken = scaled_logits(logits, params.temperature, axis_name)
   dtype = z.dtype
   neg_inf = jnp.full_like(z, -jnp.inf)
+  key = kept_set_keys(logits)  # the kept set is cut on the raw logits (kept_set_keys)
 
   if params.top_k is not None:
-    z = jnp.where(top_k_mask(z, params.top_k, axis_name), z, neg_inf)
+    keep = top_k_mask(key, params.top_k, axis_name)
+    z, key = jnp.where(keep, z, neg_inf), jnp.where(keep, key, neg_inf)
   if params.top_p is not None:
     top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
-    keep = top_p_mask(z, softmax(z, axis_name), top_p, axis_name)
+    keep = top_p_mask(key, softmax(z, axis_name), top_p, axis_name)
     z = jnp.where(keep | (top_p >= 1), z, neg_inf)
 
   probs = softmax(z, axis_name)

@@ -90,6 +90,15 @@ def order_key(z: jax.Array) -> jax.Array:
   return jnp.where((bits & sign) != 0, ~bits, bits | sign)
 
 
+def key_value(key: jax.Array, dtype) -> jax.Array:
+  """The float value of :func:`order_key`'s ``key`` (its inverse; ``-0.0`` comes back as
+  ``0.0``, which compares equal to it)."""
+  unsigned = _UNSIGNED[jnp.dtype(dtype).itemsize]
+  sign = jnp.asarray(1, unsigned) << (8 * jnp.dtype(dtype).itemsize - 1)
+  bits = jnp.where((key & sign) != 0, key ^ sign, ~key)
+  return lax.bitcast_convert_type(bits, dtype)
+
+
 def _search(key: jax.Array, pred, aux0, axis_name: str | None = None):
   """The smallest ``t`` in ``[min(key), max(key)]`` with ``pred(t)`` true (``pred`` monotone).
 
@@ -199,7 +208,12 @@ def top_k_mask(z: jax.Array, k, axis_name: str | None = None) -> jax.Array:
     return count < k, count
 
   t, count = _search(key, few_above, jnp.int32(0), axis_name)
-  return (key > t) | first_true(key == t, k - count, axis_name)
+  # The mask compares the values themselves with the threshold's value (equal to comparing
+  # keys): a comparison of integer keys against a per-row threshold miscompiled (an LLVM
+  # instruction-selection failure at -O1, `--xla_backend_optimization_level=1`) where the keys
+  # were those of raw logits shared by a vmapped batch.
+  t_value = key_value(t, z.dtype)
+  return (z > t_value) | first_true(z == t_value, k - count, axis_name)
 
 
 def top_p_mask(z: jax.Array, probs: jax.Array, top_p, axis_name: str | None = None) -> jax.Array:
@@ -207,7 +221,9 @@ def top_p_mask(z: jax.Array, probs: jax.Array, top_p, axis_name: str | None = No
 
   "Preceding" is in the order of ``jnp.argsort(-z, stable=True)`` (value descending, ties
   toward the lower index) and the mass is that of ``probs``, which must be non-increasing in
-  ``z`` with equal values for equal ``z`` (e.g. ``softmax(z)``). Found without a sort: a
+  ``z`` with equal values for equal ``z`` (e.g. ``softmax(z)``, or the softmax of a
+  temperature-scaled ``z``: the kept set of :func:`~specdec_jax.process_logits` is cut on the raw
+  logits, :func:`~specdec_jax._process.kept_set_keys`). Found without a sort: a
   bisection for the smallest value ``t`` with ``mass(z > t) < top_p``; then ``z > t`` is
   kept, ``z < t`` dropped, and the ``r``-th tie at ``t`` (by index) kept iff
   ``mass(z > t) + r * p_t < top_p``. The first entry in that order is always kept (for
@@ -257,4 +273,5 @@ def top_p_mask(z: jax.Array, probs: jax.Array, top_p, axis_name: str | None = No
 
   start = jnp.zeros_like(mass, jnp.int32)  # typed like the row (shard_map's varying axes)
   _, count = lax.fori_loop(0, vocab.bit_length(), halve, (start, start + vocab))
-  return (key > t) | first_true(tied, count, axis_name)
+  t_value = key_value(t, z.dtype)  # values, not keys: see top_k_mask
+  return (z > t_value) | first_true(tied, count, axis_name)

@@ -28,6 +28,7 @@ __all__ = [
   "block_output_distribution",
   "block_speculative_step",
   "output_distribution",
+  "process_logits",
   "residual",
   "sample",
   "speculative_step",
@@ -47,6 +48,50 @@ def sample(probs, rng) -> int:
   if hits.size > 0:
     return int(hits[0])
   return int(np.nonzero(probs > 0)[0][-1])
+
+
+def process_logits(logits, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None) -> np.ndarray:
+  """The processed distribution of one logit row, in float64: the one definition the library
+  follows (:func:`specdec_jax.process_logits`, the lazy verifiers, ``sample_draft``).
+
+  1. A row with a NaN or ``+inf`` logit, or without a finite one, is broken: all NaN.
+  2. ``temperature`` not ``> 0``: a point mass on the first largest logit.
+  3. Order the tokens by raw logit, descending, ties toward the lower id (``-inf`` last).
+     ``top_k > 0`` keeps the first ``top_k`` of that order.
+  4. ``z = (x - max x) / temperature`` on the finite logits, ``-inf`` elsewhere; over what
+     top-k kept, ``softmax(z)``; ``top_p < 1`` keeps each token whose preceding mass in that
+     order is ``< top_p`` (the first always).
+  5. ``softmax(z)`` over the kept tokens.
+
+  The kept set is a prefix of the raw-logit order: two logits a temperature rounds to one
+  value stay in that order, and ``temperature = inf`` is the uniform law over the kept tokens.
+
+  Example:
+    >>> process_logits([0.0, 1.0, 1.0, 2.0], 1.0, top_k=2).round(3).tolist()
+    [0.0, 0.269, 0.0, 0.731]
+  """
+  x = np.asarray(logits, dtype=np.float64)
+  vocab = len(x)
+  finite = np.isfinite(x)
+  if np.isnan(x).any() or (x == np.inf).any() or not finite.any():
+    return np.full(vocab, np.nan)
+  if not temperature > 0:
+    return np.eye(vocab)[int(np.argmax(x))]
+  order = np.lexsort((np.arange(vocab), -np.where(finite, x, -np.inf)))
+  keep = np.ones(vocab, bool)
+  if top_k is not None and 0 < top_k < vocab:
+    keep[order[top_k:]] = False
+  with np.errstate(invalid="ignore"):
+    z = np.where(finite & keep, (x - x[finite].max()) / temperature, -np.inf)
+  probs = np.exp(z - z.max())
+  probs /= probs.sum()
+  if top_p is not None and top_p < 1:
+    before = np.cumsum(probs[order]) - probs[order]
+    drop = order[(before >= top_p) & (np.arange(vocab) > 0)]
+    probs[drop] = 0.0
+    probs /= probs.sum()
+  return probs
 
 
 def acceptance_probability(p_x: float, q_x: float) -> float:

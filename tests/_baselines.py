@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import scaled_logits
+from specdec_jax._process import kept_set_keys
 
 
 def sorted_process_row(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -23,7 +24,7 @@ def sorted_process_row(logits: jax.Array, params: SamplingParams) -> jax.Array:
   dtype = z.dtype
   neg_inf = jnp.full_like(z, -jnp.inf)
   if params.top_k is not None or params.top_p is not None:
-    order = jnp.argsort(-z, stable=True)
+    order = jnp.argsort(-kept_set_keys(logits), stable=True)  # raw logits, ties to lower id
     rank = jnp.zeros(vocab, jnp.int32).at[order].set(jnp.arange(vocab, dtype=jnp.int32))
     if params.top_k is not None:
       k = jnp.asarray(params.top_k)
