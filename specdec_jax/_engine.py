@@ -92,6 +92,27 @@ def engine_params(params: SamplingParams, convention: str = "specdec") -> Sampli
   return SamplingParams(temperature, top_k, params.top_p)
 
 
+def all_greedy(params: SamplingParams, convention: str) -> bool:
+  """Whether host-known ``params`` make every request greedy (after ``convention``).
+
+  Greedy verification reads no randomness (a draft is kept iff it is the argmax), so the
+  packed entry points need neither a key nor uniforms for such a batch. Traced or unknown
+  temperatures give False.
+  """
+  if convention in CONVENTIONS and convention != "specdec" and params.temperature is None:
+    return True
+  temperature = params.temperature
+  if temperature is None or not is_concrete(temperature):
+    return False
+  try:
+    values = np.asarray(temperature, np.float64)
+  except (TypeError, ValueError):
+    return False  # check_params names the bad value
+  if convention == "specdec" or convention not in CONVENTIONS:
+    return bool(values.size) and bool(np.all(values <= 0))  # (a negative one is flagged)
+  return bool(values.size) and bool(np.all(values < GREEDY_BELOW[convention]))
+
+
 def row_owners(counts: jax.Array, num_rows: int) -> jax.Array:
   """``(num_rows,)`` int32: the request each packed row belongs to (rows past the last: B - 1).
 

@@ -48,8 +48,10 @@ def draw_uniforms(name: str, key, batch: int, count: int, dtype) -> jax.Array:
     return jax.random.uniform(key, (batch, count), dtype=dtype)
   if (typed and shape == (batch,)) or (dtype_of == jnp.uint32 and shape == (batch, 2)):
     return jax.vmap(lambda k: jax.random.uniform(k, (count,), dtype=dtype))(key)
+  # (Under jit every array is a tracer: its dtype and shape say what was passed, its type not.)
+  what = type(key).__name__ if dtype_of is None else "an array"
   raise TypeError(f"{name}: `key` must be one jax.random key or B = {batch} keys (one per "
-                  f"request), got {type(key).__name__} of dtype {dtype_of} and shape {shape}.")
+                  f"request), got {what} of dtype {dtype_of} and shape {shape} instead.")
 
 
 @functools.partial(jax.jit, static_argnames=("name", "batch", "count", "dtype"))

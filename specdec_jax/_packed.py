@@ -32,9 +32,7 @@ from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
 from specdec_jax._checks import host_top_k
-from specdec_jax._checks import is_concrete
-from specdec_jax._engine import CONVENTIONS
-from specdec_jax._engine import GREEDY_BELOW
+from specdec_jax._engine import all_greedy
 from specdec_jax._engine import check_convention
 from specdec_jax._engine import engine_params
 from specdec_jax._engine import row_owners
@@ -227,22 +225,6 @@ def packed_verify(draft_token_ids: ArrayLike, num_draft_tokens: ArrayLike, *, ma
                      convention=convention, pad_id=pad_id)
 
 
-def _all_greedy(params, convention) -> bool:
-  """Whether host-known ``params`` make every request greedy (after ``convention``)."""
-  if convention in CONVENTIONS and convention != "specdec" and params.temperature is None:
-    return True
-  temperature = params.temperature
-  if temperature is None or not is_concrete(temperature):
-    return False
-  try:
-    values = np.asarray(temperature, np.float64)
-  except (TypeError, ValueError):
-    return False  # check_params names the bad value
-  if convention == "specdec" or convention not in CONVENTIONS:
-    return bool(values.size) and bool(np.all(values <= 0))  # (a negative one is flagged)
-  return bool(values.size) and bool(np.all(values < GREEDY_BELOW[convention]))
-
-
 def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, max_spec_len,
                 target_probs, target_logits, draft_probs, draft_logits, bonus_token_ids, params,
                 key, uniforms, bonus_rows, rule, convention, pad_id,
@@ -260,7 +242,7 @@ def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, ma
     raise ValueError(f"{name}: pass exactly one of `target_probs` and `target_logits`.")
   if args["draft_probs"] is not None and args["draft_logits"] is not None:
     raise ValueError(f"{name}: pass at most one of `draft_probs` and `draft_logits`.")
-  if params is not None and key is None and uniforms is None and _all_greedy(params, convention):
+  if params is not None and key is None and uniforms is None and all_greedy(params, convention):
     # Greedy verification reads no randomness (a draft is kept iff it is the argmax): an
     # all-greedy batch needs neither a key nor uniforms.
     args["uniforms"] = uniforms = np.zeros(

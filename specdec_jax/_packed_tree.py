@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
@@ -32,6 +33,7 @@ from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import host_array
 from specdec_jax._checks import host_top_k
+from specdec_jax._engine import all_greedy
 from specdec_jax._engine import check_convention
 from specdec_jax._engine import engine_params
 from specdec_jax._errors import ErrorCode
@@ -192,11 +194,14 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
     law: static, one of ``"deterministic"`` (default), ``"iid"``, ``"without_replacement"``.
     uniforms: ``(B, N)`` uniforms ("coins"), read as ``uniform_layout`` says, or
     key: one ``jax.random`` key (``uniforms = uniform(key, (B, N))``) or ``B`` keys, one per
-      request (``uniform(key_i, (N,))``: results independent of the batch).
+      request (``uniform(key_i, (N,))``: results independent of the batch). Neither a key
+      nor uniforms when every request is greedy (``params`` temperatures known on the host
+      and greedy under ``convention``, as in :func:`~specdec_jax.packed_verify`; sglang's
+      ``verify_tree_greedy``): greedy verification reads no coins.
     coins: the old name of ``uniforms`` (sglang's word), accepted as an alias.
     final_coins: optional ``(B,)`` uniforms, one per request, for the final token (sglang's
-      ``uniform_samples_for_final_sampling``) in place of the layout's coin; with
-      ``uniforms`` only.
+      ``uniform_samples_for_final_sampling``) in place of the layout's coin, under every
+      ``uniform_layout``; with ``uniforms`` only.
     uniform_layout: static, ``"per_parent"`` (sglang, default), ``"per_node"`` or
       ``"sequential"`` (see :func:`~specdec_jax.tree_verify`).
     convention: static, how ``params`` writes greedy / disabled (:func:`engine_params`).
@@ -204,6 +209,12 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
 
   Returns:
     :class:`PackedTreeVerifyResult`.
+
+  Raises:
+    ValueError / TypeError: on shapes, dtypes (of every array argument, NumPy or JAX),
+      static arguments, and a missing key and uniforms in a batch that is not all greedy.
+      Under an outer ``jit`` values are flagged, not raised (``BAD_PARAMS`` for malformed
+      links, and the value codes of :func:`~specdec_jax.tree_verify`).
 
   Example:
     >>> import jax.numpy as jnp
@@ -236,12 +247,14 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
   """Host-side checks and conversion, then the jitted packed-tree body (over ``mesh``)."""
   if coins is not None and uniforms is not None:
     raise ValueError(f"{name}: `coins` is another name of `uniforms`; pass one of them.")
+  coins_name = "uniforms" if coins is None else "coins"  # the name the caller used
   uniforms = coins if uniforms is None else uniforms
   args = dict(candidates=candidates, retrive_next_token=retrive_next_token,
               retrive_next_sibling=retrive_next_sibling, target_probs=target_probs,
               target_logits=target_logits, draft_probs=draft_probs, draft_logits=draft_logits,
               uniforms=uniforms, key=key, final_coins=final_coins)
-  args = {k: host_array(name, k, v, TREE_PACKED_ARRAYS[k]) for k, v in args.items()}
+  args = {k: host_array(name, coins_name if k == "uniforms" else k, v, TREE_PACKED_ARRAYS[k])
+          for k, v in args.items()}
   if final_coins is not None and uniforms is None:
     raise ValueError(f"{name}: `final_coins` go with `uniforms` (an engine's own coins); with "
                      "a `key` every coin is drawn from it.")
@@ -252,7 +265,6 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
     raise ValueError(f"{name}: pass exactly one of `target_probs` and `target_logits`.")
   if args["draft_probs"] is not None and args["draft_logits"] is not None:
     raise ValueError(f"{name}: pass at most one of `draft_probs` and `draft_logits`.")
-  one_source(name, key, uniforms)
   if law not in LAWS:
     raise ValueError(f"{name}: `law` must be one of {LAWS}, got {law!r} instead.")
   if uniform_layout not in UNIFORM_LAYOUTS:
@@ -272,6 +284,20 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
     if args[arg].shape != shape:
       raise ValueError(f"{name}: `{arg}` must have the shape of `candidates` {shape}, got "
                        f"{args[arg].shape} instead.")
+  for arg, rank in (("target_probs", 2), ("target_logits", 2), ("draft_probs", 2),
+                    ("draft_logits", 2), ("uniforms", 2), ("final_coins", 1)):
+    if args[arg] is not None:  # ranks and dtypes of JAX values too, before anything reads them
+      check_array(name, coins_name if arg == "uniforms" else arg, args[arg], rank, FLOAT,
+                  batch_hint=False)
+  if key is None and uniforms is None:
+    if params is not None and all_greedy(params, convention):
+      # Greedy verification reads no randomness: an all-greedy batch needs no key nor coins.
+      args["uniforms"] = uniforms = np.zeros(shape, np.float32)
+    else:
+      raise ValueError(f"{name}: pass exactly one of `key` and `uniforms` (or `coins`), got "
+                       "neither; only a batch whose requests are all greedy (host-known "
+                       "`params` temperatures) needs no randomness.")
+  one_source(name, key, uniforms)
   if params is not None:
     params = engine_params(host_top_k(params), convention)
     params = check_params(params, name, batch=shape[0], host_only=True)

@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,6 +23,7 @@ from specdec_jax import SamplingParams
 from specdec_jax import packed_tree_verify
 from specdec_jax import process_logits
 from specdec_jax import tree_verify
+from specdec_jax import vocab_parallel_packed_tree_verify
 from specdec_jax._packed_tree import parents_from_links
 from tests._helpers import per_position
 
@@ -164,6 +168,119 @@ def test_accept_decisions_equal_sglang_target_only_coin_for_coin():
       np.testing.assert_array_equal(predicts[b], want)
       agree += 1
   assert agree == 80
+
+
+def final_token_reference(target_row, rejected, coin):
+  """The final token at the walk's last node under ``"deterministic"``: the target row without
+  the tokens rejected there (``p`` itself if that leaves nothing), by inverse CDF at ``coin``."""
+  row = target_row.astype(np.float64).copy()
+  row[rejected] = 0.0
+  if not row.sum() > 0:
+    row = target_row.astype(np.float64)
+  return int(np.argmax(np.cumsum(row) > coin * row.sum()))
+
+
+@pytest.mark.parametrize("layout", ["per_parent", "per_node", "sequential"])
+def test_final_coins_draw_the_final_token_under_every_layout(layout):
+  """Issue 44, item 14: ``final_coins`` replace the layout's coin for the final token under every
+  layout, not only sglang's ``"per_parent"``. Two runs differ only in ``final_coins`` (0.01 vs
+  0.99): the accept decisions are the same, the final token is the reference's for each coin,
+  and it changes wherever the reference's does."""
+  _, parents, first, sibling, tokens, p, _, coins = _trees(10, batch=16, size=9)
+  batch, _, vocab = p.shape
+  low, high = np.full(batch, 0.01, np.float32), np.full(batch, 0.99, np.float32)
+  run = [packed_tree_verify(tokens, first, sibling, max_depth=4,
+                            target_probs=p.reshape(-1, vocab), coins=coins, final_coins=f,
+                            uniform_layout=layout) for f in (low, high)]
+  for field in ("num_accepted", "path", "valid"):
+    np.testing.assert_array_equal(np.asarray(getattr(run[0], field)),
+                                  np.asarray(getattr(run[1], field)), err_msg=field)
+  assert np.asarray(run[0].valid).all()
+  changed = 0
+  for b in range(batch):
+    k = int(run[0].num_accepted[b])
+    node = int(run[0].path[b, k - 1]) if k else 0
+    # The walk stopped at `node`: below max_depth every child of it was tested and rejected.
+    rejected = tokens[b, parents[b] == node] if k < 4 else np.zeros(0, np.int32)
+    want = [final_token_reference(p[b, node], rejected, f[b]) for f in (low, high)]
+    got = [int(r.tokens[b, k]) for r in run]
+    assert got == want, (layout, b)
+    np.testing.assert_array_equal(np.asarray(run[0].tokens[b, :k]),
+                                  np.asarray(run[1].tokens[b, :k]))
+    changed += want[0] != want[1]
+  assert changed >= batch // 2, changed  # the final token moved with the final coin alone
+
+
+@pytest.mark.parametrize("convention, greedy_temperature", [("specdec", 0.0), ("sglang", 1e-7)])
+def test_an_all_greedy_batch_needs_no_coins(convention, greedy_temperature):
+  """Issue 44, item 11: as :func:`packed_verify`, an all-greedy batch (host-known temperatures
+  greedy under ``convention``) needs neither a key nor coins, and gives what any coins give
+  (sglang's ``verify_tree_greedy``); one sampled request brings the requirement back."""
+  rng, parents, first, sibling, tokens, _, _, coins = _trees(4)
+  batch, size = tokens.shape
+  logits = (rng.normal(size=(batch, size, 12)) * 2).astype(np.float32)
+  for b in range(batch):  # the first child of each node drafts its parent's argmax
+    for u in range(size):
+      kids = np.flatnonzero(parents[b] == u)
+      if len(kids):
+        tokens[b, kids[0]] = np.argmax(logits[b, u])
+  logits = logits.reshape(-1, 12)
+  params = SamplingParams(np.full(batch, greedy_temperature, np.float32),
+                          np.zeros(batch, np.int32), np.ones(batch, np.float32))
+  call = functools.partial(packed_tree_verify, tokens, first, sibling, max_depth=size - 1,
+                           target_logits=logits, params=params, convention=convention)
+  free = call()
+  assert np.asarray(free.valid).all()
+  assert np.asarray(free.num_accepted).min() >= 1
+  for kwargs in (dict(coins=coins), dict(coins=1 - coins - 1e-7),
+                 dict(key=jax.random.key(1))):
+    np.testing.assert_array_equal(np.asarray(call(**kwargs).tokens), np.asarray(free.tokens))
+  # The vocabulary-parallel entry goes through the same host checks.
+  parallel = vocab_parallel_packed_tree_verify(jax.make_mesh((1,), ("model",)), "model",
+                                               max_depth=size - 1, convention=convention)
+  np.testing.assert_array_equal(
+    np.asarray(parallel(tokens, first, sibling, target_logits=logits, params=params).tokens),
+    np.asarray(free.tokens))
+  mixed = params._replace(temperature=np.where(np.arange(batch) == 3, 0.7,
+                                               greedy_temperature).astype(np.float32))
+  with pytest.raises(ValueError, match=r"packed_tree_verify: pass exactly one of `key` and "
+                     r"`uniforms` .*got neither; only a batch whose requests are all greedy"):
+    call(params=mixed)
+
+
+@pytest.mark.parametrize("as_jax", [False, True], ids=["numpy", "jax"])
+@pytest.mark.parametrize("kwargs, message", [
+  (dict(target_probs=np.full((6, 4), 1, np.int32)), "`target_probs` must have a floating dtype"),
+  (dict(target_probs=None, target_logits=np.zeros((6, 4), np.int32)),
+   "`target_logits` must have a floating dtype"),
+  (dict(law="iid", draft_probs=np.full((6, 4), 1, np.int32)),
+   "`draft_probs` must have a floating dtype"),
+  (dict(law="iid", target_probs=None, target_logits=np.zeros((6, 4), np.float32),
+        draft_logits=np.zeros((6, 4), np.int32)), "`draft_logits` must have a floating dtype"),
+  (dict(candidates=np.zeros((2, 3), np.float32)), "`candidates` must have an integer dtype"),
+  (dict(retrive_next_token=np.full((2, 3), -1.0)),
+   "`retrive_next_token` must have an integer dtype"),
+  (dict(retrive_next_sibling=np.full((2, 3), -1.0)),
+   "`retrive_next_sibling` must have an integer dtype"),
+  (dict(coins=np.zeros((2, 3), np.int32)), "`coins` must have a floating dtype"),
+  (dict(coins=None, uniforms=np.zeros((2, 3), np.int32)),
+   "`uniforms` must have a floating dtype"),
+  (dict(final_coins=np.zeros(2, np.int32)), "`final_coins` must have a floating dtype"),
+  (dict(coins=None, key=np.zeros(2, np.float32)), "`key` must be .*jax.random key"),
+], ids=["target_probs", "target_logits", "draft_probs", "draft_logits", "candidates",
+        "retrive_next_token", "retrive_next_sibling", "coins", "uniforms", "final_coins", "key"])
+def test_wrong_dtypes_are_a_clear_error(kwargs, message, as_jax):
+  """Issue 44, item 12: every array argument of the wrong dtype, as NumPy or as JAX values
+  (which skip the host conversion), is refused naming the function and the argument (an
+  integer ``draft_probs`` used to raise NumPy's "data type int32 not inexact")."""
+  args = dict(candidates=np.zeros((2, 3), np.int32), retrive_next_token=np.full((2, 3), -1),
+              retrive_next_sibling=np.full((2, 3), -1), max_depth=2,
+              target_probs=np.full((6, 4), 0.25, np.float32), coins=np.zeros((2, 3), np.float32))
+  args.update(kwargs)
+  if as_jax:
+    args = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in args.items()}
+  with pytest.raises(TypeError, match=f"packed_tree_verify: {message}"):
+    packed_tree_verify(**args)
 
 
 # --- exactness -------------------------------------------------------------------------------
