@@ -36,10 +36,12 @@ without bound (:class:`ChatTemplateError` names the bound and the argument that 
 * size: each value it makes (counted in characters, plus 8 per list, tuple or dict element, a
   shared value each time it occurs) is measured where it is made and refused over
   ``max_chars``: the prompt, each ``{{ }}``, ``~``, literal list, tuple or dict, call or filter
-  result and macro or block output, and before they run ``+ * % **``, the ``str`` methods in
-  ``template_limits.METHOD_BOUNDS``, the filters in ``template_limits.FILTER_BOUNDS`` and
-  ``range`` (all in :mod:`specdec_jax.app.template_limits`). Integers stay under 2**65536, and
-  the values of one render add up to at most ``8 * max_chars``.
+  result, and the output of a block, macro or loop, added up as it is written. Every operation
+  that can make a value many times its arguments' size (``* % **``, ``str.format`` with a
+  width or precision given as an argument, ``ljust``, ``join``, ``int.to_bytes``, the
+  ``center`` and ``indent`` filters, ``range``...) is refused before it runs, from its
+  arguments: :mod:`specdec_jax.app.template_limits` lists them and how. Integers stay under
+  2**65536, and the values of one render add up to at most ``8 * max_chars``.
 
 ``jinja2`` is an optional dependency, imported on first use.
 """

@@ -1,5 +1,7 @@
 """The sandboxed Jinja environment that renders chat templates, built as ``transformers`` builds
-it, with every operation that makes a value measured (:mod:`specdec_jax.app.template_limits`).
+it, with every operation that makes a value measured (:mod:`specdec_jax.app.template_limits`
+lists them and how), and the output of a block or macro added up as it is written
+(:class:`Pieces`).
 
 :mod:`specdec_jax.app.chat_template` renders with it; see that module for what the environment
 provides and what it refuses.
@@ -8,9 +10,11 @@ provides and what it refuses.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 import sys
+import types
 from datetime import datetime
 from typing import Any
 
@@ -39,6 +43,39 @@ def jinja2_module() -> Any:
   return jinja2
 
 
+class Pieces(list):
+  """The buffer a block, macro, loop, ``{% filter %}`` or ``{% call %}`` body writes its output
+  into: the pieces are added up as they are written, refused once over ``max_chars``."""
+
+  def __init__(self):
+    super().__init__()
+    self.chars, self.limit = 0, limits.budget().max_chars
+
+  def append(self, piece: Any) -> None:
+    self.chars += len(piece) if isinstance(piece, str) else limits.size_of(piece)
+    if self.chars > self.limit:
+      limits.need(self.chars, "the output of a macro or block")
+    super().append(piece)
+
+  def extend(self, pieces: Any) -> None:
+    for piece in pieces:
+      self.append(piece)
+
+
+def joined(pieces: Any, what: str) -> str:
+  """``"".join(pieces)``, refused as soon as the pieces pass ``max_chars`` (a :class:`Pieces`
+  buffer has added them up as they were written)."""
+  if isinstance(pieces, Pieces):
+    limits.need(pieces.chars, what)
+    return "".join(pieces)
+  out, n = [], 0
+  for piece in pieces:
+    n += len(piece)
+    if n > limits.budget().max_chars:
+      limits.need(n, what)
+    out.append(piece)
+  limits.need(n, what)
+  return "".join(out)
 
 
 class RaisedByTemplate(Exception):
@@ -69,15 +106,26 @@ def environment() -> Any:
   def raise_exception(message):
     raise Raised(message)
 
-  def strftime_now(format):
+  def strftime_now(format):  # glibc pads a field to a width written in it (%0400000000Y)
+    limits.need(len(format) + 64 * format.count("%") + limits.numbers(format), "strftime_now()",
+                charge=False)
     return datetime.now().strftime(format)
+
+  def lipsum(*args, **kwargs):  # n paragraphs of at most max words of at most 14 characters
+    p = inspect.signature(jinja2.utils.generate_lorem_ipsum).bind(*args, **kwargs)
+    p.apply_defaults()
+    n, most = (limits.width(p.arguments[k]) for k in ("n", "max"))
+    limits.need(max(n, 0) * (16 * max(most, 0) + 16), "lipsum()", charge=False)
+    return jinja2.utils.generate_lorem_ipsum(*args, **kwargs)
 
   class TemplateDict:  # ``dict(...)`` without exposing the dict type itself
     def __call__(self, *args, **kwargs):
       return dict(*args, **kwargs)
 
-    def fromkeys(self, *args, **kwargs):
-      return dict.fromkeys(*args, **kwargs)
+    def fromkeys(self, iterable, value=None):
+      keys = limits.collected(iterable, "dict.fromkeys()")
+      limits.need(limits.keyed(keys, value), "dict.fromkeys()", charge=False)
+      return dict.fromkeys(keys, value)
 
   def check_name(name):
     if isinstance(name, str) and name.startswith("_"):
@@ -105,7 +153,28 @@ def environment() -> Any:
       return encoder.encode(x)  # json.dumps: linear in the size of x, which is bounded
     limits.need(limits.width(indent) * sys.getrecursionlimit(), "tojson's indentation",
                 charge=False)
-    return limits.joined(encoder.iterencode(x), "the tojson filter")  # the same text, in pieces
+    return joined(encoder.iterencode(x), "the tojson filter")  # the same text, in pieces
+
+  class BoundedFormatter(jinja2.sandbox.SandboxedFormatter):
+    """Jinja's ``str.format`` formatter, each field bounded once its spec is expanded."""
+
+    made, what = 0, "str.format()"
+
+    def vformat(self, format_string, args, kwargs):
+      self.made = len(format_string)  # then each field's bound, added up
+      return super().vformat(format_string, args, kwargs)
+
+    def convert_field(self, value, conversion):  # !s, !r, !a: the value's text
+      limits.need(limits.size_of(value) if conversion else 0, self.what, charge=False)
+      return super().convert_field(value, conversion)
+
+    def format_field(self, value, format_spec):
+      self.made += limits.field_bound(value, format_spec)
+      limits.need(self.made, self.what, charge=False)
+      return super().format_field(value, format_spec)
+
+  class BoundedEscapeFormatter(BoundedFormatter, jinja2.sandbox.SandboxedEscapeFormatter):
+    pass
 
   def range_(*args):
     r = range(*args)  # its length, give or take one (len() fails past 2**63)
@@ -113,7 +182,21 @@ def environment() -> Any:
     return jinja2.sandbox.safe_range(*args)
 
   class CodeGenerator(jinja2.compiler.CodeGenerator):
-    """Jinja's, with ``~`` and the list, tuple and dict literals measured."""
+    """Jinja's, with ``~``, the list, tuple and dict literals and ``*args`` measured, and a
+    :class:`Pieces` buffer for the output of a block or macro."""
+
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      self.starred = {}  # id: node, of the nodes given as *args
+
+    def buffer(self, frame):
+      frame.buffer = self.temporary_identifier()
+      self.writeline(f"{frame.buffer} = environment.pieces()")
+
+    def signature(self, node, frame, extra_kwargs=None):
+      if node.dyn_args is not None:
+        self.starred[id(node.dyn_args)] = node.dyn_args
+      super().signature(node, frame, extra_kwargs)
 
     def visit_Concat(self, node, frame):  # environment.tilde instead of runtime.str_join
       self.write("environment.tilde((")
@@ -126,11 +209,10 @@ def environment() -> Any:
       measure = isinstance(node, jinja2.nodes.List | jinja2.nodes.Dict) or (
         isinstance(node, jinja2.nodes.Tuple) and node.ctx == "load"
       )
-      if measure:
-        self.write("environment.checked(")
+      starred = self.starred.get(id(node)) is node
+      self.write("environment.starred(" * starred + "environment.checked(" * measure)
       super().visit(node, *args, **kwargs)
-      if measure:
-        self.write(")")
+      self.write(")" * (starred + measure))
 
   class Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """The sandbox, with each operation that makes a value measured."""
@@ -143,17 +225,43 @@ def environment() -> Any:
       return super().call_binop(context, operator, left, right)
 
     def call(self, context, obj, /, *args, **kwargs):
-      name = getattr(obj, "__name__", "a function")
-      owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)  # str.format wrapped
-      if isinstance(owner, str | bytes) and name in limits.METHOD_BOUNDS:
-        args = (list(args[0]), *args[1:]) if name == "join" and args else args
-        limits.need(limits.METHOD_BOUNDS[name](owner, *args, **kwargs),
-                    f"{type(owner).__name__}.{name}()")
+      name, bound = getattr(obj, "__name__", "a function"), limits.method_bound(obj)
+      if bound is not None:
+        what, bound = bound
+        if name in ("join", "fromkeys") and args:  # an iterator read, to measure it first
+          args = (limits.collected(args[0], what), *args[1:])
+        limits.need(bound(*args, **kwargs), what, charge=False)
       elif obj is jinja2.utils.Cycler or (
         isinstance(obj, jinja2.runtime.Macro) and (obj.catch_varargs or obj.catch_kwargs)
       ):  # they keep the arguments as a new tuple or dict
         limits.need(limits.size_of((args, kwargs)), f"the arguments of {name}()")
       return limits.checked(super().call(context, obj, *args, **kwargs), f"the result of {name}()")
+
+    def wrap_str_format(self, value):  # Jinja's, with a BoundedFormatter
+      if not isinstance(value, types.MethodType | types.BuiltinMethodType) or (
+        value.__name__ not in ("format", "format_map") or not isinstance(value.__self__, str)
+      ):
+        return None
+      s, is_map = value.__self__, value.__name__ == "format_map"
+      if isinstance(s, jinja2.sandbox.Markup):
+        formatter = BoundedEscapeFormatter(self, escape=s.escape)
+      else:
+        formatter = BoundedFormatter(self)
+      formatter.what = f"str.{value.__name__}()"
+
+      def wrapper(*args, **kwargs):
+        if is_map and (kwargs or len(args) != 1):
+          raise TypeError("format_map() takes exactly one argument, and no keyword arguments")
+        args, kwargs = ((), args[0]) if is_map else (args, kwargs)
+        return type(s)(formatter.vformat(s, args, kwargs))
+
+      return functools.update_wrapper(wrapper, value)
+
+    def pieces(self):
+      return Pieces()
+
+    def starred(self, items):
+      return limits.collected(items, "the *arguments of a call")
 
     def tilde(self, items):
       limits.need(sum(map(limits.size_of, items)), "`~`", charge=False)
@@ -168,8 +276,9 @@ def environment() -> Any:
     extensions=[Generation, jinja2.ext.loopcontrols],
     finalize=lambda value: limits.checked(value, "a {{ }} expression"),
   )
-  env.concat = lambda pieces: limits.joined(pieces, "the output of a macro or block")
+  env.concat = lambda pieces: joined(pieces, "the output of a macro or block")
   env.globals["range"] = range_
+  env.globals["lipsum"] = lipsum
   env.filters["tojson"] = tojson
   env.filters.update({name: limits.guard(name, f) for name, f in env.filters.items()})
   env.globals["raise_exception"] = raise_exception

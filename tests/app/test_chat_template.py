@@ -19,6 +19,7 @@ import re
 import struct
 import sys
 import time
+import tracemalloc
 from datetime import datetime
 from pathlib import Path
 
@@ -457,3 +458,113 @@ def test_the_prompt_is_bounded_and_normal_templates_render_unchanged():
     f"to over max_chars={len(expected) - 1:,} characters; a larger max_chars allows it"
   )
   assert ct.render_chat_template(template, messages, **kwargs, time_limit=None) == expected
+
+
+# Every operation that can build a value many times its arguments' size (the list in
+# template_limits' docstring) is refused before it runs: tracemalloc's peak while the template
+# runs stays far below the size of the value (hundreds of MB; each passed the bound once made).
+BIG_S = "{% set s = 'x' * 3999000 %}"
+BIG_U = "{% set u = '\u4e2d' * 3000000 %}"  # iterated, each character is a new 76-byte str
+NS_30 = "{% set ns = namespace() %}" + "".join(f"{{% set ns.a{i} = s %}}" for i in range(30))
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}ab{% endfor %}{% endfor %}"
+BUILDERS = {  # case: (template, what the error names[, keyword arguments])
+  # The five of issue 44, item 4: a width or precision given as a string, or a length.
+  "format-width-str": ("{{ '{:{}}'.format('x', '400000000') }}", "str.format()"),
+  "format-float-width-str": ("{{ '{:{}}'.format(1.5, '400000000') }}", "str.format()"),
+  "format_map-width-str": (
+    "{{ '{a:{b}}'.format_map({'a': 'x', 'b': '400000000'}) }}", "str.format_map()"
+  ),
+  "format-precision-str": ("{{ '{:.{}f}'.format(1.0, '400000000') }}", "str.format()"),
+  "int.to_bytes": ("{{ (0).to_bytes(400000000, 'big') }}", "int.to_bytes()"),
+  # str.format and printf formatting: fields added up, widths and precisions from the values.
+  "format-fields-added-up": (BIG_S + "{{ ('{0}' * 100).format(s) }}", "str.format()"),
+  "format-repr-added-up": (BIG_S + "{{ ('{0!r}' * 100).format(s[:100000]) }}", "str.format()"),
+  "format-width-attribute": ("{{ '{0[0]:>{0[1]}}'.format(['x', 400000000]) }}", "str.format()"),
+  "printf-precision": ("{{ '%.400000000f' % 1.0 }}", "`%`"),
+  "printf-star-width": ("{{ '%*d' % (400000000, 1) }}", "`%`"),
+  "printf-key-each-time": (BIG_S + "{{ ('%(a)s' * 100) % {'a': s} }}", "`%`"),
+  "printf-bytes": ("{{ '%400000000s'.encode() % 'x'.encode() }}", "`%`"),
+  "format-filter-star": ("{{ '%*s' | format(400000000, 'x') }}", "the format filter"),
+  # Repetition, padding and the other str, bytes, int and dict builders.
+  "bytes-repeat": ("{{ 'x'.encode() * 400000000 }}", "`*`"),
+  "tuple-repeat": ("{{ (1,) * 400000000 }}", "`*`"),
+  "ljust": ("{{ 'x'.ljust(400000000) }}", "str.ljust()"),
+  "bytes-rjust": ("{{ 'x'.encode().rjust(400000000) }}", "bytes.rjust()"),
+  "str.join-of-a-str": (BIG_U + "{{ ''.join(u) }}", "str.join()"),
+  "encode-namereplace": (BIG_U + "{{ u.encode('ascii', 'namereplace') }}", "str.encode()"),
+  "split": ("{% set s = 'ab ' * 1333333 %}{{ s.split(' ') }}", "str.split()"),
+  "split-whitespace": ("{% set s = 'ab ' * 1333333 %}{{ s.split() }}", "str.split()"),
+  "splitlines": ("{% set s = 'ab\n' * 1333333 %}{{ s.splitlines() }}", "str.splitlines()"),
+  "translate": (BIG_S + "{{ s[:1000].translate({120: s}) }}", "str.translate()"),
+  "str.maketrans": (BIG_S + "{{ ''.maketrans(s[:200000], s[:200000]) }}", "str.maketrans()"),
+  "dict.fromkeys": (BIG_S + "{{ dict.fromkeys(range(100), s) }}", "dict.fromkeys()"),
+  "dict-method-fromkeys": (BIG_S + "{{ {}.fromkeys(range(100), s) }}", "dict.fromkeys()"),
+  "star-arguments": (BIG_U + "{{ cycler(*u) }}", "the *arguments of a call"),
+  # Globals and filters.
+  "lipsum": ("{{ lipsum(1, min=1, max=10**9) }}", "lipsum()"),
+  "strftime_now-widths": ("{{ strftime_now('%0250Y' * 100000) }}", "strftime_now()"),
+  "join-filter-of-a-str": (BIG_U + "{{ u | join }}", "the join filter"),
+  "sort-filter-of-a-str": (BIG_U + "{{ u | sort }}", "the sort filter"),
+  "batch-filter-of-a-str": (BIG_U + "{{ u | batch(1) | list }}", "the batch filter"),
+  "map-iterator-items": (
+    "{% set u = '\u4e2d' * 400000 %}{{ u | map('upper') | list }}", "the map filter",
+    {"max_chars": 400_000},
+  ),
+  "urlize": ("{% set s = 'a@b.c ' * 600000 %}{{ s | urlize }}", "the urlize filter"),
+  "indent-filter": ("{{ 'x' | indent(400000000, true) }}", "the indent filter"),
+  # The text of a namespace, a dict view or a bound method shows the values it holds.
+  "namespace-text": (BIG_S + NS_30 + "{{ ns }}", "a {{ }} expression"),
+  "dict-view-text": (BIG_S + "{% set d = {'a': s} %}{{ [d.values()] * 30 }}", "`*`"),
+  "bound-method-text": (BIG_S + "{{ [(s | safe).join] * 30 }}", "`*`"),
+  # A block's output, added up as it is written (before: joined at the end of the block).
+  "block-output": (
+    "{% set x %}" + LOOPS + "{% endset %}", "the output of a macro or block",
+    {"max_chars": 100_000},
+  ),
+}
+
+
+@pytest.mark.parametrize("case", BUILDERS)
+def test_each_builder_is_refused_before_it_builds(case):
+  template, what, *kwargs = BUILDERS[case]
+  ct.render_chat_template("{{ 1 }}", [U1])  # the environment is built before measuring
+  tracemalloc.start()
+  try:
+    start = time.perf_counter()
+    with pytest.raises(ct.ChatTemplateError) as e:
+      ct.render_chat_template(template, [U1], time_limit=3.0, **(kwargs[0] if kwargs else {}))
+    seconds, peak = time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert seconds < 1.5 and peak < 24 * 2**20, f"{seconds:.2f} s, peak {peak / 2**20:.0f} MiB"
+  assert f"exceeded the intermediate-size bound: {what} " in str(e.value), str(e.value)
+
+
+# The output of a block, macro, call, filter block, recursive loop or block reference is the sum
+# of its pieces (9,000 characters in 6,000 pieces here), not the length of the last one.
+LOOP = "{% for i in range(3000) %}ab{{ i % 10 }}{% endfor %}"
+LOOP_TEXT = "".join(f"ab{i % 10}" for i in range(3000))
+
+
+@pytest.mark.parametrize(
+  "template",
+  [
+    "{% set x %}" + LOOP + "{% endset %}{{ x | length }}",
+    "{% macro m() %}" + LOOP + "{% endmacro %}{% set x = m() %}{{ x | length }}",
+    "{% macro m() %}{{ caller() | length }}{% endmacro %}{% call m() %}" + LOOP + "{% endcall %}",
+    "{% filter upper %}" + LOOP + "{% endfilter %}",
+    "{% for x in [range(3000)] recursive %}{% if x is number %}ab{{ x % 10 }}{% else %}"
+    "{{ loop(x) | length }}{% endif %}{% endfor %}",
+    "{% if false %}{% block b %}" + LOOP + "{% endblock %}{% endif %}{% set x = self.b() %}"
+    "{{ x | length }}",
+  ],
+  ids=["set-block", "macro", "call-block", "filter-block", "recursive-loop", "block-reference"],
+)
+def test_block_output_is_the_sum_of_its_pieces(template):
+  assert ct.render_chat_template(template, [U1], max_chars=9_000) in ("9000", LOOP_TEXT.upper())
+  with pytest.raises(ct.ChatTemplateError) as e:
+    ct.render_chat_template(template, [U1], max_chars=8_999)
+  assert str(e.value).startswith(
+    "render_chat_template: the chat template exceeded the intermediate-size bound: the output "
+    "of a macro or block comes to 9,000 characters"
+  ), str(e.value)
