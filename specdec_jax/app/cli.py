@@ -18,7 +18,6 @@ and exit with 2.
 from __future__ import annotations
 
 import argparse
-import os
 import zipfile
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -30,12 +29,25 @@ from specdec_jax.app import demo
 from specdec_jax.app import e2e
 from specdec_jax.app import simulate
 from specdec_jax.app import smollm2
+from specdec_jax.app.argtypes import gib
 from specdec_jax.app.argtypes import int_at_least
+from specdec_jax.app.argtypes import int_in
+from specdec_jax.app.argtypes import memory_limit
 from specdec_jax.app.tables import banner
+from specdec_jax.models import eagle
 
 #: argparse types: an integer ``>= 1`` and ``>= 0``.
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+#: SmolLM2's context, which bounds the sizes of ``generate`` and ``bench-e2e`` before it is loaded.
+CONTEXT = smollm2.CONFIG.max_position
+
+#: argparse types of ``--gamma`` and ``--max-new-tokens``: sizes that fit SmolLM2's context.
+gamma_size = int_in(1, CONTEXT - 1, f"the target scores gamma + 1 tokens in one call, which must "
+                                    f"fit SmolLM2's context of {CONTEXT} positions")
+new_tokens = int_in(1, CONTEXT - 1, f"SmolLM2's context of {CONTEXT} positions holds the prompt, "
+                                    f"at least one token, and the new tokens")
 
 
 def vocab_size(text: str) -> int:
@@ -88,6 +100,15 @@ def branching(text: str) -> tuple[int, ...]:
     counts = ()
   if not counts or min(counts) < 1:
     raise argparse.ArgumentTypeError(f"expected counts >= 1 like 2,2,1,1, got {text!r}")
+  nodes, level = 1, 1
+  for depth, count in enumerate(counts):
+    level *= count
+    nodes += level
+    if nodes > CONTEXT:
+      raise argparse.ArgumentTypeError(
+        f"expected a tree of at most {CONTEXT} nodes (the target scores them all in one call, "
+        f"which must fit SmolLM2's context of {CONTEXT} positions), got {text!r}, which has "
+        f"{'' if depth == len(counts) - 1 else 'over '}{nodes:,} nodes")
   return counts
 
 
@@ -119,28 +140,15 @@ def simulate_bytes(trials: int, gamma: int, vocab: int) -> int:
   return rows + trials * per_trial
 
 
-def memory_limit() -> int:
-  """What ``simulate`` may use: half of this machine's memory (8 GiB where it cannot be read)."""
-  try:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
-    total = 16 * 2**30
-  return total // 2
-
-
-def _gib(size: int) -> str:
-  return f"{size / 2**30:,.1f} GiB"
-
-
 def check_simulate(args: argparse.Namespace) -> str | None:
   """The problem with ``simulate``'s arguments together, or None: sizes whose arrays cannot fit
   (they would end in a MemoryError or the process killed for memory)."""
   need, limit = simulate_bytes(args.trials, args.gamma, args.vocab), memory_limit()
   if need <= limit:
     return None
-  return (f"argument --trials/--gamma/--vocab: expected sizes whose arrays fit in {_gib(limit)} "
+  return (f"argument --trials/--gamma/--vocab: expected sizes whose arrays fit in {gib(limit)} "
           f"(half of this machine's memory), got --trials {args.trials} --gamma {args.gamma} "
-          f"--vocab {args.vocab}, which need about {_gib(need)}; lower the largest of them")
+          f"--vocab {args.vocab}, which need about {gib(need)}; lower the largest of them")
 
 
 def _why_not(draft: str) -> str:
@@ -177,16 +185,43 @@ def eagle_weights(text: str):
                                      f"train_draft (.npz), got {text!r}, which is not a file")
   try:
     with np.load(path) as z:
-      names = set(z.files)
+      arrays = {name: z[name] for name in z.files}
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
     raise argparse.ArgumentTypeError(f"expected draft weights written by train_draft (.npz), "
                                      f"got {text!r}, which cannot be read as one ({err})"
                                      ) from None
-  if not {"fc", "vocab_ids"} <= names:
-    raise argparse.ArgumentTypeError(f"expected draft weights written by train_draft (arrays "
-                                     f"fc, vocab_ids, layer.*), got {text!r} with arrays "
-                                     f"{sorted(names)[:6]}")
+  if (problem := eagle_file_problem(arrays)) is not None:
+    raise argparse.ArgumentTypeError(f"expected draft weights of SmolLM2-135M written by "
+                                     f"train_draft, got {text!r} {problem}")
   return path
+
+
+def eagle_file_problem(arrays: dict[str, np.ndarray]) -> str | None:
+  """What is wrong with a draft file's arrays for SmolLM2 (:data:`.smollm2.CONFIG`), or None:
+  the names :func:`.eagle.save_eagle` writes, each weight's dtype (float) and shape
+  (:func:`.eagle.weight_shapes`), and ``vocab_ids``: distinct integer ids of the vocabulary."""
+  config = smollm2.CONFIG
+  shapes = eagle.weight_shapes(config, fused="fuse" in arrays)
+  expected = {"vocab_ids", *shapes}
+  if missing := sorted(expected - set(arrays)):
+    return f"with arrays {sorted(arrays)[:6]}, without {missing[:4]}"
+  if extra := sorted(set(arrays) - expected):
+    return f"with arrays train_draft does not write: {extra[:4]}"
+  for name, shape in shapes.items():
+    a = arrays[name]
+    if not np.issubdtype(a.dtype, np.floating) or a.shape != shape:
+      return (f"whose array {name} is {a.dtype}{a.shape}, not float{shape} (SmolLM2-135M: width "
+              f"{config.dim}, {config.n_heads} heads and {config.n_kv_heads} kv heads of "
+              f"{config.head_dim}, ffn {config.ffn_dim}, {config.n_layers} layers)")
+    if not np.isfinite(a).all():
+      return f"whose array {name} holds NaN or inf"
+  ids = arrays["vocab_ids"]
+  if not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1 or not ids.size:
+    return f"whose vocab_ids are {ids.dtype}{ids.shape}, not integer ids of shape (K,), K >= 1"
+  if ids.min() < 0 or ids.max() >= config.vocab_size or np.unique(ids).size != ids.size:
+    return (f"whose vocab_ids are not distinct ids in [0, {config.vocab_size}): {ids.size} ids "
+            f"in [{ids.min()}, {ids.max()}]")
+  return None
 
 
 def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
@@ -197,20 +232,24 @@ def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool
   parser.add_argument("--draft", nargs="+", default=list(e2e.DRAFTS), choices=e2e.DRAFTS,
                       help="drafts to compare with plain decoding (default: all); the first "
                            "one's output is streamed first; -adaptive: adaptive speculation")
-  parser.add_argument("--gamma", type=positive_int, default=None,
-                      help="proposals per step for every draft (default: each draft's best on "
-                           "this CPU, e2e.DEFAULT_GAMMA: lookup 4, eagle 3, skip/early 4)")
+  parser.add_argument("--gamma", type=gamma_size, default=None,
+                      help="proposals per step for every draft, below SmolLM2's context of "
+                           "8192 (default: each draft's best on this CPU, e2e.DEFAULT_GAMMA: "
+                           "lookup 4, eagle 3, skip/early 4)")
   parser.add_argument("--temperature", type=temperature, nargs="+",
                       default=[0.0] if generate_command else [0.0, 0.7],
                       help="sampling temperatures; 0 is greedy")
-  parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+  parser.add_argument("--max-new-tokens", type=new_tokens, default=96,
+                      help="tokens to generate; with the prompt at most SmolLM2's context of "
+                           "8192 (default: %(default)s)")
   parser.add_argument("--verifier", nargs="+", default=["token"],
                       choices=("token", "block", "tree"),
                       help="token-wise (default), block verification (Sun et al. 2024) and/or a "
                            "top-k draft tree (model and learned drafts; see --tree)")
   parser.add_argument("--tree", type=branching, default=None,
                       help="the draft tree of --verifier tree: candidates per node at each depth, "
-                           "e.g. 2,2,1,1 (default: 2,2,1,1 for skip/early, 4,1 for eagle)")
+                           "e.g. 2,2,1,1, at most 8192 nodes (default: 2,2,1,1 for skip/early, "
+                           "4,1 for eagle)")
   parser.add_argument("--repeats", type=positive_int, default=1 if generate_command else 5,
                       help="timed runs after the compiling one (median)")
   parser.add_argument("--seed", type=seed, default=0)

@@ -226,3 +226,33 @@ def train_eagle(params: LlamaParams, config: LlamaConfig, corpus: Corpus, vocab_
       say(True, f"  step {i + 1}/{steps}: loss {float(loss):.3f}, cross-entropy "
                  f"{np.mean(losses[-log_every:]):.3f}, {time.perf_counter() - start:.0f} s")
   return weights, losses
+
+
+def training_bytes(config: LlamaConfig, *, sequences: int, length: int, batch: int, unroll: int,
+                   fused: bool, draft_vocab: int, answers: int, answer_batch: int,
+                   prompt_room: int = 256) -> dict[str, int]:
+  """Upper estimates of what each phase of training a draft of ``config`` holds at once, bytes.
+
+  ``model``: the target's float32 weights (held throughout); ``generation``: ``answer_batch``
+  answers of ``answers`` tokens at once (caches for prompts of up to ``prompt_room`` tokens
+  plus the answers, and the prompts' logits; 0 answers: a stored corpus); ``corpus``: the
+  :class:`Corpus` arrays of ``sequences`` sequences of ``length`` tokens (ids, mask,
+  log-normaliser, the ``D``-wide feature; ``fused``: three hidden states in float16);
+  ``features``: the target's pass over 8 of them (``V`` logits per token, ``8 H T`` bytes of
+  attention scores per token); ``step``: one :func:`train_eagle` step (per token and pass the
+  ``K = draft_vocab`` probabilities, logits and gradients, and ``12 H T`` bytes of attention).
+  The constants bound what XLA:CPU's ``memory_analysis`` reports for these jitted functions at
+  SmolLM2's shape: the step at batch 8, length 256, unroll 1 measured 0.8 GB (estimate 0.8 GB),
+  at length 2048 11.8 GB (estimate 12.8 GB); the features at length 2048 4.5 GB (6.3 GB).
+  """
+  c, t, k = config, length, draft_vocab
+  d, v, h = c.dim, c.vocab_size, c.n_heads
+  n_q, n_kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  layer = 2 * d + d * n_q + 2 * d * n_kv + n_q * d + 3 * d * c.ffn_dim
+  generation = answer_batch * 4 * (
+    (prompt_room + answers) * c.n_layers * 2 * n_kv + prompt_room * v) if answers else 0
+  return {"model": 4 * (v * d + c.n_layers * layer + d),
+          "generation": generation,
+          "corpus": sequences * t * (9 + 4 * d + (6 * d if fused else 0)),
+          "features": 8 * t * (4 * v + 64 * d + 8 * h * t),
+          "step": batch * t * (16 * k + (unroll + 1) * (8 * k + 64 * d + 12 * h * t))}

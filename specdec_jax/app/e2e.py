@@ -115,9 +115,11 @@ def runs_with(draft: str, verifier: str) -> bool:
 
 
 class Setup:
-  """SmolLM2 loaded once, with its drafts and tokenizer."""
+  """SmolLM2 loaded once, with its drafts and tokenizer; the learned (eagle) draft only when
+  ``drafts`` (names as in :data:`DRAFTS`; None: all) holds one of its forms."""
 
-  def __init__(self, progress: bool = True, eagle_weights: Path = smollm2.EAGLE_WEIGHTS):
+  def __init__(self, progress: bool = True, eagle_weights: Path = smollm2.EAGLE_WEIGHTS,
+               drafts: Sequence[str] | None = None):
     params, config, tokenizer = smollm2.load_smollm2(progress=progress)
     self.config = config
     self.tokenizer = tokenizer
@@ -130,13 +132,14 @@ class Setup:
                           name="early"),
     }
     self.feature_target = self.target  # the target the eagle draft reads features from
-    try:
-      self.drafts["eagle"] = smollm2.load_eagle_draft(params, config, eagle_weights)
-    except FileNotFoundError as err:  # not trained yet: the eagle rows are left out
-      print(f"  note: {err}", file=sys.stderr)
-    else:  # the target itself, or for EAGLE-3's fused features the one that computes them
-      self.feature_target = smollm2.feature_target(params, config, self.drafts["eagle"],
-                                                   name=self.target.name)
+    if drafts is None or any(d.startswith("eagle") for d in drafts):  # else left unread
+      try:
+        self.drafts["eagle"] = smollm2.load_eagle_draft(params, config, eagle_weights)
+      except FileNotFoundError as err:  # not trained yet: the eagle rows are left out
+        print(f"  note: {err}", file=sys.stderr)
+      else:  # the target itself, or for EAGLE-3's fused features the one that computes them
+        self.feature_target = smollm2.feature_target(params, config, self.drafts["eagle"],
+                                                     name=self.target.name)
     self.policies: dict[str, AdaptiveSpeculation] = {}
     self.sized: dict[float, e2e_tree.Sized] = {}  # eagle+sized, by temperature (run_suite)
 
@@ -361,7 +364,8 @@ def stream_generation(setup: Setup, prompt_name: str, prompt_text: str, draft: s
 def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) -> int:
   """Entry point of ``generate`` and ``bench-e2e``."""
   try:
-    setup = Setup(eagle_weights=getattr(args, "eagle_weights", smollm2.EAGLE_WEIGHTS))
+    setup = Setup(eagle_weights=getattr(args, "eagle_weights", smollm2.EAGLE_WEIGHTS),
+                  drafts=args.draft)
   except (ImportError, FileNotFoundError, GGUFError) as err:  # no model extra, weights, or bad file
     print(f"error: {err}", file=sys.stderr)
     return 2

@@ -155,9 +155,10 @@ def cut_verification_ms(setup: Setup, prompt: str, gamma: int,
   a model draft's processed ``q``) on the target's real logits: its last ``gamma + 1`` rows on
   the chat prompt of user message ``prompt``. With a top-k or top-p request the loop reads the
   target's rows lazily; "processed first" is the same step through a function verifier (the loop
-  before).
+  before). A prompt shorter than ``gamma + 1`` tokens is repeated until it is that long.
   """
-  ids = jnp.asarray([setup.encode(prompt)], jnp.int32)
+  ids = setup.encode(prompt)
+  ids = jnp.asarray([ids * -(-(gamma + 1) // len(ids))], jnp.int32)
   width = ids.shape[1]
   logits, _ = jax.jit(setup.target.apply)(
     setup.target.params, ids, jnp.arange(width, dtype=jnp.int32)[None],

@@ -42,6 +42,14 @@ EARLY_EXIT_LAYERS = 22
 """The early-exit draft runs SmolLM2-135M's first 22 of 30 layers, then the final norm and head."""
 
 
+CONFIG = LlamaConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                     ffn_dim=1536, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True,
+                     max_position=8192)
+"""SmolLM2-135M-Instruct's shape as its GGUF metadata gives it (``tests/app/test_real_model.py``
+checks that they agree): what the command lines check sizes and draft weights against before
+the model is loaded (its context of ``max_position = 8192`` tokens, the width of a draft)."""
+
+
 EAGLE_WEIGHTS = Path(__file__).resolve().parent / "data" / "smollm2_eagle.npz"
 """The trained EAGLE-style draft of SmolLM2-135M-Instruct (``make train-draft`` writes it;
 committed, float16, so that the demo needs no training). It is in the source tree, not in the

@@ -15,6 +15,7 @@ Byte-level BPE is lossless: ``decode(encode(text)) == text`` for any string.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import secrets
@@ -201,13 +202,32 @@ class Tokenizer:
     """The text of ``ids`` (bytes that do not form complete UTF-8 characters become U+FFFD).
 
     Args:
-      ids: token ids (any iterable of ints, e.g. a NumPy row).
+      ids: token ids in ``[0, vocab_size)`` (any iterable of ints, e.g. a NumPy row); a
+        decoding loop's row holds its tokens up to its length, then ``pad_id`` (-1): decode
+        ``tokens[b, :lengths[b]]``.
       skip_special: drop control tokens such as ``<|im_end|>``.
 
     Returns:
       The decoded string.
+
+    Raises:
+      TypeError: an id that is not an integer (``2.0`` is not read as 2).
+      ValueError: an id outside ``[0, vocab_size)``, named with its index (the Rust
+        tokenizer would drop ids past the vocabulary from the text and overflow on -1).
     """
-    return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+    checked = []
+    for index, token in enumerate(ids):
+      try:
+        value = operator.index(token)
+      except TypeError:
+        raise TypeError(f"Tokenizer.decode: `ids` must be integer token ids, got {token!r} at "
+                        f"index {index} instead.") from None
+      if not 0 <= value < self.vocab_size:
+        raise ValueError(f"Tokenizer.decode: `ids` must be token ids in [0, {self.vocab_size}), "
+                         f"got {value} at index {index} instead (-1 is a decoding loop's "
+                         f"padding: decode each row up to its length).")
+      checked.append(value)
+    return self.hf.decode(checked, skip_special_tokens=skip_special)
 
   def token_to_id(self, token: str) -> int | None:
     """The id of one vocabulary entry (in GPT-2's byte alphabet, e.g. ``"Ġthe"``), or None."""

@@ -38,12 +38,16 @@ import jax
 import numpy as np
 
 from specdec_jax.app import smollm2
+from specdec_jax.app.argtypes import gib
 from specdec_jax.app.argtypes import int_at_least
+from specdec_jax.app.argtypes import int_in
+from specdec_jax.app.argtypes import memory_limit
 from specdec_jax.app.draft_training import Corpus
 from specdec_jax.app.draft_training import frequent_vocab
 from specdec_jax.app.draft_training import generate_corpus
 from specdec_jax.app.draft_training import say
 from specdec_jax.app.draft_training import train_eagle
+from specdec_jax.app.draft_training import training_bytes
 from specdec_jax.models import eagle
 from specdec_jax.models.llama import LlamaConfig
 from specdec_jax.models.llama import make_model
@@ -123,6 +127,12 @@ PROMPT_SETS = {"base": TRAIN_PROMPTS, "wide": WIDE_PROMPTS}
 #: The draft vocabulary size (the head reads this many of the target's 49,152 output rows).
 DRAFT_VOCAB = 8192
 
+#: Answers generated at once for the corpus.
+CORPUS_BATCH = 24
+
+#: SmolLM2's context, which bounds ``--length`` and ``--max-new-tokens`` before it is loaded.
+CONTEXT = smollm2.CONFIG.max_position
+
 
 PROG = "python -m specdec_jax.app.train_draft"
 
@@ -165,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "current directory; the demo's draft, which the weights are written "
                            "to only when asked, is --out "
                            "specdec_jax/app/data/smollm2_eagle.npz)")
-  parser.add_argument("--max-new-tokens", type=int_at_least(1), default=160,
+  parser.add_argument("--max-new-tokens", type=int_in(1, CONTEXT - 1, f"SmolLM2's context of "
+                                                         f"{CONTEXT} holds the prompt and answer"),
+                      default=160,
                       help="length of each answer of the corpus (default: %(default)s)")
   parser.add_argument("--temperatures", type=_temperature, nargs="+",
                       default=[0.0, 0.6, 0.8, 1.0, 1.0, 1.0],
@@ -175,8 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--corpus", type=_npz, default=None,
                       help="reuse (or write) the generated corpus at this .npz path")
   parser.add_argument("--batch", type=int_at_least(1), default=8,
-                      help="sequences per training step (default: %(default)s)")
-  parser.add_argument("--length", type=int_at_least(2), default=256,
+                      help="sequences per training step (default: %(default)s); --batch, "
+                           "--length, --unroll and corpus sizes whose training would need more "
+                           "than half of this machine's memory are refused")
+  parser.add_argument("--length", type=int_in(2, CONTEXT, f"no sequence is longer than SmolLM2's "
+                                                        f"context of {CONTEXT}"), default=256,
                       help="tokens per training sequence (default: %(default)s; position t "
                            "learns from t - 1, so at least 2)")
   parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="base",
@@ -224,13 +239,17 @@ def read_corpus(path: Path) -> list[np.ndarray]:
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace):
   """What the types cannot see, before anything is loaded: that optax is installed, that
-  ``--out`` can be written and that ``--corpus``, if it exists, is a corpus. Exits with 2 on a
-  problem (``parser.error``); returns the stored corpus's sequences, or None."""
+  ``--out`` can be written and is not ``--corpus``, that ``--corpus``, if it exists, is a corpus,
+  and that the sizes fit in memory (:func:`check_memory`). Exits with 2 on a problem
+  (``parser.error``); returns the stored corpus's sequences, or None."""
   try:
     importlib.import_module("optax")
   except ImportError as err:
     parser.error(f"training needs optax (the training extra), which cannot be imported ({err}); "
                  "install it: pip install -e '.[train]'")
+  if args.corpus is not None and same_file(args.out, args.corpus):
+    parser.error(f"argument --out: expected a path other than --corpus, got {args.out}, the same "
+                 f"file as --corpus {args.corpus} (the weights would overwrite the corpus)")
   if args.out.is_dir():
     parser.error(f"argument --out: expected a file path ending in .npz, got {args.out}, which "
                  "is a directory")
@@ -247,12 +266,55 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if not os.access(path.parent, os.W_OK):
       parser.error(f"argument {option}: expected a path in a folder this user can write, got "
                    f"{path}")
-  if args.corpus is None or not args.corpus.exists():
+  stored = None
+  if args.corpus is not None and args.corpus.exists():
+    try:
+      stored = read_corpus(args.corpus)
+    except ValueError as err:
+      parser.error(f"argument --corpus: {err}")
+  if (problem := check_memory(args, stored)) is not None:
+    parser.error(problem)
+  return stored
+
+
+def same_file(a: Path, b: Path) -> bool:
+  """Whether two paths name one file: the same resolved path (through ``..`` and symbolic links),
+  or, both existing, the same file (a hard link)."""
+  return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+
+
+def check_memory(args: argparse.Namespace, stored) -> str | None:
+  """The problem with sizes whose training (:func:`.draft_training.training_bytes`) cannot fit
+  in half of this machine's memory (the process would be killed for memory after the model is
+  loaded), or None."""
+  n = len(stored) if stored is not None else (len(PROMPT_SETS[args.prompts])
+                                              * len(args.temperatures))
+  parts = training_bytes(smollm2.CONFIG, sequences=n, length=args.length, batch=args.batch,
+                         unroll=args.unroll, fused=args.fused, draft_vocab=DRAFT_VOCAB,
+                         answers=0 if stored is not None else args.max_new_tokens,
+                         answer_batch=CORPUS_BATCH)
+  limit = memory_limit()
+  need = parts["model"] + max(parts["generation"],
+                              parts["corpus"] + max(parts["features"], parts["step"]))
+  if need <= limit:
     return None
-  try:
-    return read_corpus(args.corpus)
-  except ValueError as err:
-    parser.error(f"argument --corpus: {err}")
+  sequences = (f"{len(stored)} sequences in --corpus" if stored is not None else
+               f"{len(args.temperatures)} --temperatures x --prompts {args.prompts}")
+  options = {
+    "generation": ("--max-new-tokens", f"--max-new-tokens {args.max_new_tokens}",
+                   "generating the corpus"),
+    "corpus": ("--length/--temperatures/--prompts", f"--length {args.length}, {sequences}",
+               "the corpus's arrays"),
+    "features": ("--length", f"--length {args.length}", "the target's features"),
+    "step": ("--batch/--length/--unroll",
+             f"--batch {args.batch} --length {args.length} --unroll {args.unroll}",
+             "a training step"),
+  }
+  largest = max(options, key=parts.__getitem__)
+  names, got, what = options[largest]
+  return (f"argument {names}: expected sizes whose training fits in {gib(limit)} (half of this "
+          f"machine's memory), got {got}, which need about {gib(need)} ({what}: "
+          f"{gib(parts[largest])}); lower the largest of them")
 
 
 def check_with_model(args: argparse.Namespace, config: LlamaConfig, prompts,
@@ -296,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   else:
     say(True, f"generating the corpus: {len(prompts)} prompts x {args.temperatures}")
     sequences = generate_corpus(target, prompts, temperatures=args.temperatures,
-                                max_new_tokens=args.max_new_tokens, batch=24,
+                                max_new_tokens=args.max_new_tokens, batch=CORPUS_BATCH,
                                 eos_id=tokenizer.eos_id, seed=args.seed)
     if args.corpus is not None:
       np.savez(args.corpus, **{str(i): s for i, s in enumerate(sequences)})

@@ -139,6 +139,14 @@ def batch_params(params: SamplingParams, batch: int, name: str) -> SamplingParam
   return SamplingParams(**fields)
 
 
+def static_count(name: str, arg: str, value) -> int:
+  """A static count ``>= 1`` (``gamma``, ``max_new_tokens``...) as a Python int: a Python or NumPy
+  integer, never a bool (``True`` is not 1) nor a float or string (``"4"`` is not 4)."""
+  if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+    raise ValueError(f"{name}: `{arg}` must be an int >= 1, got {value!r} instead.")
+  return int(value)
+
+
 def check_budget(max_new_tokens, max_len, width: int, lengths, name: str,
                   contexts: tuple[tuple[str, int | None], ...]) -> tuple[int, int | None]:
   """``(max_len, context)``: the static buffer length and the models' context (``None``: none).
@@ -147,9 +155,7 @@ def check_budget(max_new_tokens, max_len, width: int, lengths, name: str,
   not fit the buffer or a model's context raises, with traced lengths the rows that run out
   of room stop early and are flagged ``OUT_OF_ROOM``.
   """
-  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer)
-      or max_new_tokens < 1):
-    raise ValueError(f"{name}: `max_new_tokens` must be an int >= 1, got {max_new_tokens!r}.")
+  max_new_tokens = static_count(name, "max_new_tokens", max_new_tokens)
   if max_len is None:
     max_len = width + int(max_new_tokens)
   elif isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < width:

@@ -26,6 +26,7 @@ from specdec_jax.decoding.args import check_prompt
 from specdec_jax.decoding.args import check_same_vocab
 from specdec_jax.decoding.args import model_fns
 from specdec_jax.decoding.args import row_keys as make_row_keys
+from specdec_jax.decoding.args import static_count
 from specdec_jax.decoding.chain_loop import Verifier
 from specdec_jax.decoding.chain_loop import speculative_loop
 from specdec_jax.decoding.chain_loop import streamed_loop
@@ -184,8 +185,8 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
     raise TypeError(f"{name}: `verifier` must be a name or a function, got {verifier!r}.")
   else:
     verifier = StaticFunction(verifier)  # a lambda written at the call site compiles once
-  if not isinstance(gamma, int | np.integer) or gamma < 1:
-    raise ValueError(f"{name}: `gamma` must be an int >= 1, got {gamma!r} instead.")
+  gamma = static_count(name, "gamma", gamma)
+  chunk_iterations = static_count(name, "chunk_iterations", chunk_iterations)
   vocab = target_fns.vocab_size
   prompt, lengths, tokens_ok = check_prompt(prompt_tokens, prompt_lengths, name, vocab)
   batch, width = prompt.shape
@@ -197,7 +198,7 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   args = auto_axes((target.params, draft_params, prompt, lengths, tokens_ok,
                     make_row_keys(key, batch, name), batch_params(params, batch, name),
                     check_eos(eos_id, name, vocab)))
-  static = dict(target=target_fns, draft=draft_static, verifier=verifier, gamma=int(gamma),
+  static = dict(target=target_fns, draft=draft_static, verifier=verifier, gamma=gamma,
                 max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
                 pad_id=check_pad_id(name, pad_id), adaptive=adaptive)
   observing = adaptive is not None and adaptive.observe > 0
@@ -206,10 +207,7 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
                     prompt_index=2)
   if on_tokens is not None and not callable(on_tokens):
     raise TypeError(f"{name}: `on_tokens` must be a function or None, got {on_tokens!r}.")
-  if not isinstance(chunk_iterations, int | np.integer) or chunk_iterations < 1:
-    raise ValueError(f"{name}: `chunk_iterations` must be an int >= 1, got "
-                     f"{chunk_iterations!r} instead.")
   # The loop never runs more than max_new_tokens + 1 iterations: a longer chunk is one chunk
   # (and 10**12 would not fit the int32 counter).
-  chunk = adaptive.observe if observing else int(chunk_iterations)
+  chunk = adaptive.observe if observing else chunk_iterations
   return streamed_loop(args, static, on_tokens, min(chunk, int(max_new_tokens) + 1))

@@ -154,6 +154,35 @@ def init_weights(key: jax.Array, target: LlamaConfig, *, fused: bool = False) ->
   return EagleWeights(fc=fc, layer=layer, fuse=fuse)
 
 
+def weight_shapes(target: LlamaConfig, *, fused: bool = False) -> dict[str, tuple[int, ...]]:
+  """The shape of each array of a draft for ``target``, by its name in :func:`save_eagle`'s file
+  (``fc``, ``layer.<field>`` with a leading layer axis of 1, and ``fuse`` when ``fused``)."""
+  d, f = target.dim, target.ffn_dim
+  n_q, n_kv = target.n_heads * target.head_dim, target.n_kv_heads * target.head_dim
+  layer = dict(attn_norm=(d,), wq=(d, n_q), wk=(d, n_kv), wv=(d, n_kv), wo=(n_q, d),
+               mlp_norm=(d,), w_gate=(d, f), w_up=(d, f), w_down=(f, d))
+  shapes = {"fc": (2 * d, d), **{f"layer.{k}": (1, *v) for k, v in layer.items()}}
+  if fused:
+    shapes["fuse"] = (len(fused_layers(target.n_layers)) * d, d)
+  return shapes
+
+
+def check_weights(fn: str, weights: EagleWeights, target: LlamaConfig) -> None:
+  """``ValueError`` naming ``weights.<name>`` unless every array has :func:`weight_shapes`'s
+  shape for ``target`` (a wrong one would fail deep in tracing, a two-layer ``layer`` be cut)."""
+  if not isinstance(weights, EagleWeights) or not isinstance(weights.layer, LayerParams):
+    raise TypeError(f"{fn}: `weights` must be an EagleWeights with a LayerParams layer, got "
+                    f"{type(weights).__name__} instead.")
+  arrays = {"fc": weights.fc, "fuse": weights.fuse,
+            **{f"layer.{k}": v for k, v in weights.layer._asdict().items()}}
+  for name, shape in weight_shapes(target, fused=weights.fuse is not None).items():
+    if tuple(jnp.shape(arrays[name])) != shape:
+      raise ValueError(f"{fn}: `weights.{name}` must have shape {shape} for the target's "
+                       f"config (dim {target.dim}, {target.n_heads} heads and {target.n_kv_heads} "
+                       f"kv heads of {target.head_dim}, ffn {target.ffn_dim}; one layer), got "
+                       f"{tuple(jnp.shape(arrays[name]))} instead.")
+
+
 def eagle_apply(params: EagleParams, tokens: jax.Array, features: jax.Array, positions: jax.Array,
                 cache: KVCache, *, config: LlamaConfig) -> tuple[jax.Array, jax.Array, KVCache]:
   """The draft's forward over ``T`` tokens per row: ``FeatureDraft.apply``.
@@ -230,6 +259,10 @@ def make_eagle_draft(weights: EagleWeights, vocab_ids: np.ndarray | jax.Array,
     ``apply_features``; for weights with ``fuse``, the target of :func:`make_fused_target`,
     without which the draft reads features it was not trained on: still exact, rarely accepted).
 
+  Raises:
+    ValueError: a weight whose shape is not :func:`weight_shapes`'s for ``target_config``
+      (named: ``weights.layer.wq``), or ``vocab_ids`` that are not distinct ids in ``[0, V)``.
+
   Example:
     >>> import jax
     >>> from specdec_jax.models import llama
@@ -245,6 +278,7 @@ def make_eagle_draft(weights: EagleWeights, vocab_ids: np.ndarray | jax.Array,
   """
   if isinstance(vocab_ids, range):
     vocab_ids = np.asarray(vocab_ids)
+  check_weights("make_eagle_draft", weights, target_config)
   ids = check_vocab_ids("make_eagle_draft", vocab_ids, target_config.vocab_size)
   head_all = target_params.embed if target_params.output is None else target_params.output
   params = EagleParams(weights=jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), weights),

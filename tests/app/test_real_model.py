@@ -82,6 +82,8 @@ def test_config_from_metadata(smollm2):
   )
   assert smollm2.config.norm_eps == pytest.approx(1e-5)
   assert smollm2.params.output is None
+  # What the command lines check sizes and draft weights against before loading the model.
+  assert smollm2.config == smollm2_lib.CONFIG._replace(norm_eps=smollm2.config.norm_eps)
 
 
 def test_perplexity_jax_matches_numpy_reference(smollm2):
@@ -158,6 +160,10 @@ def test_tokenizer_pieces_and_special_tokens(smollm2):
   ids = tok.encode("<|im_start|>user\nHi<|im_end|>")
   assert ids[0] == im_start and ids[-1] == im_end and ids.count(im_start) == 1
   assert tok.decode(ids, skip_special=True) == "user\nHi"
+  for bad in (49152, -1):  # past the vocabulary (once dropped from the text), the loops' padding
+    with pytest.raises(ValueError, match=rf"Tokenizer.decode: `ids` must be token ids in "
+                                         rf"\[0, 49152\), got {bad} at index 1"):
+      tok.decode([ids[0], bad])
 
 
 def test_chat_prompt(smollm2):

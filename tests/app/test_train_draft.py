@@ -5,6 +5,7 @@ untrained one, the stored weights round-trip, and decoding with the trained draf
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -192,7 +193,20 @@ def _main(argv, capsys):
   (["--unroll", "-1"], "argument --unroll: expected an integer >= 0, got -1"),
   (["--prompts", "all"], "argument --prompts: invalid choice: 'all'"),
   (["--out", "draft"], "argument --out: expected a path ending in .npz, got 'draft'"),
-])
+  # Sizes no machine holds: refused before loading, not after (then killed for memory).
+  (["--batch", "1000000000"], "argument --batch/--length/--unroll: expected sizes whose training "
+                              "fits in "),
+  (["--batch", "1000000000"], "(half of this machine's memory), got --batch 1000000000 --length "
+                              "256 --unroll 1, which need about "),
+  (["--unroll", "100000"], "got --batch 8 --length 256 --unroll 100000, which need about"),
+  (["--temperatures", *["1"] * 100_000], "argument --length/--temperatures/--prompts: expected "
+                                         "sizes whose training fits in "),
+  (["--length", "8193"], "argument --length: expected an integer in [2, 8192] (no sequence is "
+                         "longer than SmolLM2's context of 8192), got 8193"),
+  (["--max-new-tokens", "8192"], "argument --max-new-tokens: expected an integer in [1, 8191] "
+                                 "(SmolLM2's context of 8192 holds the prompt and answer), got "
+                                 "8192"),
+], ids=lambda x: " ".join(x[:3]) if isinstance(x, list) else None)
 def test_train_draft_arguments_are_checked_before_loading(argv, message, capsys, monkeypatch):
   monkeypatch.setattr(train_draft.smollm2, "load_smollm2", _never)
   code, err = _main(argv, capsys)
@@ -213,6 +227,40 @@ def test_train_draft_refuses_an_empty_corpus(capsys, monkeypatch, tmp_path):
                     capsys)
   assert code == 2 and "argument --corpus: expected a corpus with a sequence of 2 tokens" in err
   assert "is empty" in err
+
+
+def test_train_draft_refuses_to_write_the_weights_over_the_corpus(capsys, monkeypatch, tmp_path):
+  """``--out X --corpus X`` once wrote the weights over the corpus (15 minutes of generation) at
+  the end: the same file, however spelled (``..``, a symbolic or hard link), is refused."""
+  monkeypatch.setattr(train_draft.smollm2, "load_smollm2", _never)
+  corpus = tmp_path / "corpus.npz"
+  np.savez(corpus, **{"0": np.arange(5, dtype=np.int32)})
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "link.npz").symlink_to(corpus)
+  os.link(corpus, tmp_path / "hard.npz")
+  for out, stored in ((corpus, corpus), (tmp_path / "sub" / ".." / "corpus.npz", corpus),
+                      (tmp_path / "link.npz", corpus), (corpus, tmp_path / "hard.npz"),
+                      (tmp_path / "new.npz", tmp_path / "sub" / ".." / "new.npz")):
+    code, err = _main(["--out", str(out), "--corpus", str(stored)], capsys)
+    assert code == 2 and "argument --out: expected a path other than --corpus, got " in err, err
+    assert "(the weights would overwrite the corpus)" in err
+  assert not (tmp_path / "new.npz").exists()
+  with pytest.raises(_Loaded):  # another file: on to the model
+    train_draft.main(["--out", str(tmp_path / "d.npz"), "--corpus", str(corpus)])
+
+
+def test_the_training_memory_estimate_bounds_the_defaults_and_grows_with_each_size():
+  c = train_draft.smollm2.CONFIG
+  sizes = dict(sequences=288, length=256, batch=8, unroll=1, fused=False, draft_vocab=8192,
+               answers=160, answer_batch=24)
+  parts = draft_training.training_bytes(c, **sizes)
+  assert sum(parts.values()) < 4e9  # the defaults fit a small machine
+  assert parts["step"] > 0.75e9  # XLA:CPU's memory_analysis of the step: 0.79 GB
+  for name, bigger, part in (("batch", 16, "step"), ("unroll", 3, "step"),
+                             ("length", 512, "features"), ("sequences", 600, "corpus"),
+                             ("answers", 320, "generation"), ("fused", True, "corpus")):
+    assert draft_training.training_bytes(c, **sizes | {name: bigger})[part] > parts[part], name
+  assert draft_training.training_bytes(c, **sizes | {"answers": 0})["generation"] == 0
 
 
 def test_train_draft_out_is_never_the_shipped_weights_by_default():

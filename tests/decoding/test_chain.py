@@ -11,6 +11,7 @@ tests of this module (Bonferroni); each negative control must be rejected at ``1
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,11 @@ from specdec_jax import SamplingParams
 from specdec_jax import verify
 from specdec_jax.decoding import VERIFIERS
 from specdec_jax.decoding import DecodeStats
+from specdec_jax.decoding import DraftTree
 from specdec_jax.decoding import PromptLookup
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate
+from specdec_jax.decoding import tree_speculative_generate
 from specdec_jax.decoding.drafts import lookup_row
 from specdec_jax.models import Model
 from specdec_jax.models.toy import make_toy_model
@@ -468,3 +471,32 @@ def test_bad_arguments():
   with pytest.raises(TypeError, match="Model"):
     generate("model", PROMPTS, PROMPT_LENGTHS, args[-1], max_new_tokens=4)
   assert VERIFIERS["token"] is verify
+
+
+@pytest.mark.parametrize(("arg", "value"), [
+  ("gamma", True), ("gamma", 2.0), ("gamma", "3"), ("chunk_iterations", 0),
+  ("chunk_iterations", "4"), ("chunk_iterations", True), ("chunk_iterations", 2.5),
+  ("max_new_tokens", True), ("max_new_tokens", np.float32(4)),
+])
+def test_static_counts_are_checked_not_coerced(arg, value):
+  """``gamma=True`` once ran as gamma 1, and ``chunk_iterations`` was checked only with
+  ``on_tokens``: each is refused, streaming or not."""
+  kwargs = dict(gamma=2, max_new_tokens=4) | {arg: value}
+  message = rf"speculative_generate: `{arg}` must be an int >= 1, got {re.escape(repr(value))}"
+  with pytest.raises(ValueError, match=message):
+    speculative_generate(TARGET, NEAR, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), **kwargs)
+
+
+def test_the_other_loops_check_their_static_ints_alike():
+  args = (PROMPTS, PROMPT_LENGTHS, jax.random.key(0))
+  with pytest.raises(ValueError, match=r"generate: `max_new_tokens` must be an int >= 1, got True"):
+    generate(TARGET, *args, max_new_tokens=True)
+  with pytest.raises(ValueError, match=r"generate: `max_len` must be an int >= P"):
+    generate(TARGET, *args, max_new_tokens=4, max_len=True)
+  with pytest.raises(ValueError, match=r"tree_speculative_generate: `max_new_tokens` must be an "
+                                       r"int >= 1, got '4'"):
+    tree_speculative_generate(TARGET, SMALL, *args, tree=DraftTree.from_branching((2,)),
+                              max_new_tokens="4")
+  with pytest.raises(ValueError, match=r"tree_speculative_generate: `pad_id` must be a static int"):
+    tree_speculative_generate(TARGET, SMALL, *args, tree=DraftTree.from_branching((2,)),
+                              max_new_tokens=4, pad_id=True)

@@ -8,6 +8,8 @@ the rows of ``vocab_ids``) gives the wrong logits.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,3 +53,33 @@ def test_the_draft_head_is_the_targets_rows_of_vocab_ids(tie_embeddings):
   logits2, _, _ = shuffled.apply(shuffled.params, tokens, features, positions,
                                  shuffled.init_cache(2, MAX_LEN))
   np.testing.assert_allclose(logits2, np.asarray(logits)[..., order], **TOL)
+
+
+@pytest.mark.parametrize(("replace", "named", "shape"), [
+  (lambda w: w._replace(fc=w.fc[:, :8]), "`weights.fc`", (32, 16)),
+  (lambda w: w._replace(layer=w.layer._replace(wq=w.layer.wq[..., :8])), "`weights.layer.wq`",
+   (1, 16, 16)),
+  (lambda w: w._replace(layer=jax.tree.map(lambda a: jnp.concatenate([a, a]), w.layer)),
+   "`weights.layer.attn_norm`", (1, 16)),
+  (lambda w: w._replace(fuse=jnp.zeros((32, 16))), "`weights.fuse`", (16, 16)),
+], ids=["fc", "wq", "two-layers", "fuse"])
+def test_make_eagle_draft_checks_every_weight_shape(replace, named, shape):
+  """A wrong ``fc`` or ``wq`` once failed deep in tracing without naming either, and a ``layer``
+  holding two layers was silently cut to the first: each is named, with the expected shape."""
+  weights = replace(eagle.init_weights(jax.random.key(1), CONFIG))
+  target = llama.init_params(jax.random.key(0), CONFIG)
+  with pytest.raises(ValueError, match=rf"make_eagle_draft: {named} must have shape "
+                                       rf"{re.escape(str(shape))} for the target's config"):
+    eagle.make_eagle_draft(weights, VOCAB_IDS, target, CONFIG)
+  with pytest.raises(TypeError, match=r"make_eagle_draft: `weights` must be an EagleWeights"):
+    eagle.make_eagle_draft(tuple(weights), VOCAB_IDS, target, CONFIG)
+
+
+def test_weight_shapes_are_what_init_weights_makes():
+  for fused in (False, True):
+    weights = eagle.init_weights(jax.random.key(1), CONFIG._replace(n_layers=6), fused=fused)
+    arrays = {"fc": weights.fc, **{f"layer.{k}": v for k, v in weights.layer._asdict().items()}}
+    if fused:
+      arrays["fuse"] = weights.fuse
+    shapes = eagle.weight_shapes(CONFIG._replace(n_layers=6), fused=fused)
+    assert {k: tuple(v.shape) for k, v in arrays.items()} == shapes
