@@ -10,6 +10,7 @@ from specdec_jax import theory
 from specdec_jax._adapter import UniformStream
 from specdec_jax._adapter import sample
 from specdec_jax._adapter import speculative_step
+from specdec_jax._adjust import History
 from specdec_jax._block import block_verify
 from specdec_jax._block import block_verify_with_key
 from specdec_jax._engine import engine_params
@@ -29,6 +30,10 @@ from specdec_jax._packed import packed_verify
 from specdec_jax._packed_tree import PackedTreeResult
 from specdec_jax._packed_tree import PackedTreeVerifyResult
 from specdec_jax._packed_tree import packed_tree_verify
+from specdec_jax._request import bitmask_from_ids
+from specdec_jax._request import bitmask_from_mask
+from specdec_jax._request import logit_bias_arrays
+from specdec_jax._request import output_ids_from_counts
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
@@ -38,10 +43,10 @@ from specdec_jax._tree import tree_verify_with_key
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax._verify import verify_with_key
-from specdec_jax._vocab_parallel import vocab_parallel_packed_tree_verify
-from specdec_jax._vocab_parallel import vocab_parallel_packed_verify
 from specdec_jax._vocab_parallel import vocab_parallel_tree_verify
 from specdec_jax._vocab_parallel import vocab_parallel_verify
+from specdec_jax._vocab_parallel_packed import vocab_parallel_packed_tree_verify
+from specdec_jax._vocab_parallel_packed import vocab_parallel_packed_verify
 from specdec_jax.decoding import AdaptiveSpeculation
 from specdec_jax.decoding import DecodeStats
 from specdec_jax.decoding import DraftTree
@@ -68,6 +73,7 @@ __all__ = (
   "ErrorCode",
   "FeatureDraft",
   "GenerateResult",
+  "History",
   "Model",
   "PackedTreeResult",
   "PackedTreeVerifyResult",
@@ -80,12 +86,16 @@ __all__ = (
   "UniformStream",
   "VerifyResult",
   "accepts",
+  "bitmask_from_ids",
+  "bitmask_from_mask",
   "block_verify",
   "block_verify_with_key",
   "describe_error",
   "engine_params",
   "flat_tokens",
   "generate",
+  "logit_bias_arrays",
+  "output_ids_from_counts",
   "packed_tree_verify",
   "packed_verify",
   "plan_tree",

@@ -40,10 +40,14 @@ from specdec_jax._errors import psum_if
 from specdec_jax._errors import stop_row_error
 from specdec_jax._keys import entry_name
 from specdec_jax._keys import key_twin
+from specdec_jax._logprobs import check_logprobs
+from specdec_jax._logprobs import finish_emitted
+from specdec_jax._params import check_bitmask
 from specdec_jax._residual import clean_masses
 from specdec_jax._residual import residual_pass
 from specdec_jax._residual import weights
 from specdec_jax._rows import first_column
+from specdec_jax._rows import masked_rows
 from specdec_jax._rows import sequence_rows
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import mask_block
@@ -214,10 +218,13 @@ def block_verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: i
                 vocab=vocab, bonus_token=bonus_token, accepted_all=tau == prep.limit)
 
 
-@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id",))
+@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id", "logprobs", "logprobs_mode"))
 def block_verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike,
                  uniforms: ArrayLike | None = None, *, key: ArrayLike | None = None,
-                 num_draft: ArrayLike | None = None, pad_id: int = -1) -> VerifyResult:
+                 num_draft: ArrayLike | None = None, pad_id: int = -1,
+                 target_bitmask: ArrayLike | None = None,
+                 draft_bitmask: ArrayLike | None = None, logprobs: int | None = None,
+                 logprobs_mode: str = "processed") -> VerifyResult:
   """Block verification of one draft sequence (pure, jitted): exact, longer.
 
   Same signature and result as :func:`specdec_jax.verify`, so it plugs into
@@ -258,6 +265,14 @@ def block_verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike,
       :func:`block_verify_with_key` is this form with the key first).
     num_draft: optional int32 scalar in ``[0, gamma]`` (ragged batches), as in ``verify``.
     pad_id: static int for the unused slots of ``tokens``.
+    target_bitmask: optional grammar words ``(gamma + 1, ceil(V / 32))``: each target row is
+      masked (token ``32 j + i`` allowed iff bit ``i`` of word ``j``) and renormalised; a row
+      that allows nothing emits nothing (``ErrorCode.NO_ALLOWED_TOKEN``).
+    draft_bitmask: optional ``(gamma, ceil(V / 32))``, the draft rows' masks, the same way.
+    logprobs: static None, or ``k`` in ``[0, 64]``: the result's ``logprobs`` (each emitted
+      token's log-probability under its (masked) target row) and, for ``k > 0``,
+      ``top_ids`` / ``top_logprobs`` (the rows' ``k`` most likely tokens, ties to the lower id).
+    logprobs_mode: static, ``"processed"`` or ``"raw"``: the same for probabilities.
 
   Returns:
     :class:`VerifyResult`; ``num_accepted = tau``, ``tokens`` of shape ``(gamma + 1,)``.
@@ -279,7 +294,13 @@ def block_verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike,
   check_scalar(name, "num_draft", num_draft, INT)
   dtype = compute_dtype(p.dtype, (p if q is None else q).dtype)
   uniforms = chain_randomness(name, key, uniforms, gamma, dtype)
-  return block_verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
+  p = masked_rows(p, check_bitmask(name, "target_bitmask", target_bitmask, gamma + 1, vocab))
+  if q is not None:
+    q = masked_rows(q, check_bitmask(name, "draft_bitmask", draft_bitmask, gamma, vocab))
+  result = block_verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
+  return finish_emitted(result, p, jnp.arange(gamma + 1, dtype=jnp.int32), pad_id=pad_id,
+                        k=check_logprobs(name, logprobs, logprobs_mode, vocab),
+                        mode=logprobs_mode)
 
 
 block_verify_with_key = key_twin(block_verify, """\

@@ -47,6 +47,12 @@ class VerifyResult(NamedTuple):
       sampled from) was in range and every row it read sums to 1.
     error: int32 ``()``. :class:`ErrorCode` bit mask that says what was wrong; 0 when
       ``valid``. Decode on the host with :func:`describe_error`.
+    logprobs: float32 ``(S,)`` with ``logprobs=k`` (else None): each emitted token's
+      log-probability under the target's processed distribution at its position (the
+      replacement's too; ``logprobs_mode="raw"``: the raw logits' softmax); NaN in unused slots
+      and for a caller's bonus token.
+    top_ids, top_logprobs: ``(S, k)`` with ``logprobs=k > 0``: the ``k`` most likely tokens of
+      each emitted token's distribution and their logprobs (ties toward the lower id).
   """
 
   tokens: jax.Array
@@ -55,6 +61,9 @@ class VerifyResult(NamedTuple):
   num_uniforms: jax.Array
   valid: jax.Array
   error: jax.Array
+  logprobs: jax.Array | None = None
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
 
 
 #: The array arguments of the chain verifiers, converted on the host by ``public_jit``.

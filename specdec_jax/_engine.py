@@ -2,8 +2,7 @@
 
 vLLM, vllm-project/tpu-inference and sgl-project/sglang-jax write "greedy" and "disabled"
 differently from each other and from specdec_jax; :func:`engine_params` maps their per-request
-parameters into ours, traced-safe. :func:`rows_params` expands per-request parameters to the
-packed rows each request owns. :func:`flat_tokens` writes a packed result in tpu-inference's
+parameters into ours, traced-safe. :func:`flat_tokens` writes a packed result in tpu-inference's
 flat output layout.
 """
 
@@ -89,7 +88,7 @@ def engine_params(params: SamplingParams, convention: str = "specdec") -> Sampli
   if top_k is not None:
     top_k = jnp.asarray(top_k)
     top_k = jnp.where(top_k < 0, jnp.zeros_like(top_k), top_k)
-  return SamplingParams(temperature, top_k, params.top_p)
+  return params._replace(temperature=temperature, top_k=top_k)
 
 
 def all_greedy(params: SamplingParams, convention: str) -> bool:
@@ -121,16 +120,6 @@ def row_owners(counts: jax.Array, num_rows: int) -> jax.Array:
   ends = jnp.cumsum(counts)
   owner = jnp.searchsorted(ends, jnp.arange(num_rows, dtype=ends.dtype), side="right")
   return jnp.minimum(owner, counts.shape[0] - 1).astype(jnp.int32)
-
-
-def rows_params(params: SamplingParams, owners: jax.Array) -> SamplingParams:
-  """Per-request (or shared scalar) parameters expanded to packed rows."""
-  def expand(v):
-    if v is None:
-      return None
-    v = jnp.asarray(v)
-    return jnp.broadcast_to(v, owners.shape) if v.ndim == 0 else v[owners]
-  return SamplingParams(*(expand(v) for v in params))
 
 
 def flat_tokens(result: PackedVerifyResult, num_draft_tokens, *, num_slots: int) -> jax.Array:

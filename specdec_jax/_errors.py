@@ -34,6 +34,9 @@ class ErrorCode(enum.IntFlag):
   TOKEN_OUT_OF_RANGE = 128  #: a prompt token id outside ``[0, V)`` (decoding loops; clipped)
   OUT_OF_ROOM = 256  #: a row stopped because its buffer or the model's context was full
   BAD_LENGTH = 512  #: a prompt length outside ``[1, P]`` (loops; the row generates nothing)
+  #: a row the final token would be drawn from allows no token (every adjusted logit masked,
+  #: banned or ``-inf``): nothing is emitted from it (``num_tokens = num_accepted``)
+  NO_ALLOWED_TOKEN = 1024
 
 
 def describe_error(code: int) -> str:

@@ -15,6 +15,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from specdec_jax._adjust import History
+from specdec_jax._adjust import chain_prefixes
+from specdec_jax._adjust import needs_edits
+from specdec_jax._adjust import tree_prefixes
 from specdec_jax._chain import CHAIN_ARRAYS
 from specdec_jax._chain import VerifyResult
 from specdec_jax._checks import FLOAT
@@ -29,53 +33,92 @@ from specdec_jax._keys import key_twin
 from specdec_jax._keys import key_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._lazy import LogitRows
-from specdec_jax._lazy import lazy_rows
-from specdec_jax._lazy import sequence_params
+from specdec_jax._lazy import request_rows
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
+from specdec_jax._logprobs import check_logprobs
+from specdec_jax._logprobs import finish_emitted
+from specdec_jax._logprobs import path_rows
+from specdec_jax._params import check_bitmask
+from specdec_jax._params import check_history
+from specdec_jax._params import history_error
 from specdec_jax._rules import CHAIN_RULES
 from specdec_jax._rules import TREE_RULE
 from specdec_jax._tree import TreeVerifyResult
 from specdec_jax._tree import check_tree
 
 
-def process_sequence(logits, params: SamplingParams, axis_name: str | None = None) -> LogitRows:
+def process_sequence(logits, params: SamplingParams, axis_name: str | None = None, *,
+                     history: History | None = None, prefix=None, prefix_len=None,
+                     bitmask=None, logprobs: int = 0, raw: bool = False) -> LogitRows:
   """One sequence's logit rows ``(R, V)`` (``V / n`` per device with ``axis_name``) as a lazily
-  processed row source (:mod:`specdec_jax._lazy`) with its scalar ``params``."""
-  return lazy_rows(logits, sequence_params(params, logits.shape[0]), axis_name)
+  processed row source (:mod:`specdec_jax._lazy`) with its scalar ``params``; row ``r`` follows
+  the draft tokens ``prefix[r, :prefix_len[r]]`` after the request's ``history``, and
+  ``bitmask[r]`` (grammar words) masks it."""
+  return request_rows(logits, params, jnp.zeros((logits.shape[0],), jnp.int32), axis_name,
+                      history=history, prefix=prefix, prefix_len=prefix_len, bitmask=bitmask,
+                      logprobs=logprobs, raw=raw)
 
 
-def with_params_error(result, params: SamplingParams):
-  """``result`` with ``ErrorCode.BAD_PARAMS`` added where a parameter is out of range."""
-  error = result.error | params_error(params)
+def with_params_error(result, params: SamplingParams, vocab: int | None = None,
+                      history: History | None = None):
+  """``result`` with ``ErrorCode.BAD_PARAMS`` added where a parameter (or a history id) is out
+  of range."""
+  error = result.error | params_error(params, vocab)
+  if history is not None and vocab is not None:
+    error = error | history_error(history, vocab)
   return result._replace(error=error, valid=error == 0)
 
 
 def chain_from_logits(target_logits, draft_logits, draft, uniforms, params, num_draft, *,
-                      rule: str, pad_id: int, vocab: int,
-                      axis_name: str | None = None) -> VerifyResult:
-  """A chain rule on one sequence's logits (``draft_logits=None``: point-mass drafts)."""
-  p = process_sequence(target_logits, params, axis_name)
+                      rule: str, pad_id: int, vocab: int, axis_name: str | None = None,
+                      history: History | None = None, target_bitmask=None,
+                      draft_bitmask=None, logprobs: int | None = None,
+                      logprobs_mode: str = "processed") -> VerifyResult:
+  """A chain rule on one sequence's logits (``draft_logits=None``: point-mass drafts); row
+  ``i`` of either side follows ``draft[:i]``."""
+  gamma = draft.shape[0]
+  prefix, prefix_len = chain_prefixes(draft, gamma + 1)
+  p = process_sequence(target_logits, params, axis_name, history=history, prefix=prefix,
+                       prefix_len=prefix_len, bitmask=target_bitmask, logprobs=logprobs or 0,
+                       raw=logprobs is not None and logprobs_mode == "raw")
   q = None
   if draft_logits is not None:
-    q = (process_sequence(draft_logits, params, axis_name) if draft.shape[0]
+    q = (process_sequence(draft_logits, params, axis_name, history=history,
+                          prefix=prefix[:gamma], prefix_len=prefix_len[:gamma],
+                          bitmask=draft_bitmask) if gamma
          else jnp.zeros(draft_logits.shape, p.dtype))
   result = CHAIN_RULES[rule](p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab,
                              axis_name=axis_name)
-  return with_params_error(result, params)
+  result = finish_emitted(result, p, jnp.arange(gamma + 1, dtype=jnp.int32), pad_id=pad_id,
+                          k=logprobs, mode=logprobs_mode, axis_name=axis_name)
+  return with_params_error(result, params, vocab, history)
 
 
 def tree_from_logits(target_logits, draft_logits, parents, tokens, uniforms, params, num_nodes,
                      *, law: str, pad_id: int, max_depth: int, uniform_layout: str, vocab: int,
-                     axis_name: str | None = None) -> TreeVerifyResult:
-  """The tree rule on one tree's logits (``draft_logits`` read only by the iid laws)."""
-  p = process_sequence(target_logits, params, axis_name)
-  q = None if draft_logits is None else process_sequence(draft_logits, params, axis_name)
+                     axis_name: str | None = None, history: History | None = None,
+                     target_bitmask=None, draft_bitmask=None, logprobs: int | None = None,
+                     logprobs_mode: str = "processed") -> TreeVerifyResult:
+  """The tree rule on one tree's logits (``draft_logits`` read only by the iid laws); node
+  ``u``'s rows follow the tokens of the path to ``u``."""
+  prefix = prefix_len = None
+  if needs_edits(params, target_bitmask) or needs_edits(params, draft_bitmask):
+    prefix, prefix_len = tree_prefixes(parents, tokens, max(max_depth, 1))
+  p = process_sequence(target_logits, params, axis_name, history=history, prefix=prefix,
+                       prefix_len=prefix_len, bitmask=target_bitmask, logprobs=logprobs or 0,
+                       raw=logprobs is not None and logprobs_mode == "raw")
+  q = None if draft_logits is None else process_sequence(
+    draft_logits, params, axis_name, history=history, prefix=prefix, prefix_len=prefix_len,
+    bitmask=draft_bitmask)
   result = TREE_RULE(p, q, parents, tokens, uniforms, num_nodes, law=law, pad_id=pad_id,
                      max_depth=max_depth, uniform_layout=uniform_layout, vocab=vocab,
                      axis_name=axis_name)
-  return with_params_error(result, params)
+  result = finish_emitted(result, p, path_rows(result.path), pad_id=pad_id, k=logprobs,
+                          mode=logprobs_mode, axis_name=axis_name)
+  return with_params_error(result, params, vocab, history)
+
 
 
 def check_logits_pair(name: str, target_logits, draft_logits) -> None:
@@ -87,12 +130,15 @@ def check_logits_pair(name: str, target_logits, draft_logits) -> None:
       f"V = {target_logits.shape[-1]} and V = {draft_logits.shape[-1]} instead.")
 
 
-@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("rule", "pad_id"))
+@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("rule", "pad_id", "logprobs", "logprobs_mode"))
 def verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None, draft: ArrayLike,
                   uniforms: ArrayLike | None = None,
                   params: SamplingParams = SamplingParams(), *, key: ArrayLike | None = None,
                   num_draft: ArrayLike | None = None,
-                  rule: str = "token", pad_id: int = -1) -> VerifyResult:
+                  rule: str = "token", pad_id: int = -1, history: History | None = None,
+                  target_bitmask: ArrayLike | None = None,
+                  draft_bitmask: ArrayLike | None = None, logprobs: int | None = None,
+                  logprobs_mode: str = "processed") -> VerifyResult:
   """:func:`~specdec_jax.verify` (or block verification) on logits, with sampling parameters.
 
   Both ``target_logits`` and ``draft_logits`` go through
@@ -120,6 +166,17 @@ def verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None, draf
     rule: static, ``"token"`` (:func:`~specdec_jax.verify`) or ``"block"``
       (:func:`~specdec_jax.block_verify`).
     pad_id: static int for the unused slots.
+    history: optional :class:`~specdec_jax.History` (the request's prompt and output ids)
+      that the penalties, ``min_tokens`` and bad words read; row ``i`` (of either side)
+      counts ``draft[:i]`` as output too.
+    target_bitmask: optional grammar words ``(gamma + 1, ceil(V / 32))``, one row per target
+      row (each draft position and the bonus position); bit ``i`` of word ``j`` allows token
+      ``32 j + i``.
+    draft_bitmask: optional ``(gamma, ceil(V / 32))``, the words the draft sampled under.
+    logprobs: static None, or ``k`` in ``[0, 64]``: the result's ``logprobs`` (each emitted
+      token's log-probability under the processed target distribution of its position, the
+      replacement's included) and, for ``k > 0``, ``top_ids`` / ``top_logprobs``.
+    logprobs_mode: static ``"processed"`` or ``"raw"`` (the raw logits' softmax).
 
   Returns:
     :class:`~specdec_jax.VerifyResult`; ``ErrorCode.BAD_PARAMS`` is set for out-of-range
@@ -146,12 +203,18 @@ def verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None, draf
   gamma, vocab = check_chain(name, target_logits, draft_logits, draft, uniforms,
                              names=("target_logits", "draft_logits"))
   check_scalar(name, "num_draft", num_draft, INT)
-  params = check_params(params, name)
+  params = check_params(params, name, vocab=vocab)
+  history = check_history(name, history, vocab)
+  target_bitmask = check_bitmask(name, "target_bitmask", target_bitmask, gamma + 1, vocab)
+  draft_bitmask = check_bitmask(name, "draft_bitmask", draft_bitmask, gamma, vocab)
   one_source(name, key, uniforms)
   if key is not None:
     uniforms = key_uniforms(name, key, gamma + 1, compute_dtype(target_logits.dtype))
   return chain_from_logits(target_logits, draft_logits, draft, uniforms, params, num_draft,
-                           rule=rule, pad_id=pad_id, vocab=vocab)
+                           rule=rule, pad_id=pad_id, vocab=vocab, history=history,
+                           target_bitmask=target_bitmask, draft_bitmask=draft_bitmask,
+                           logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
+                           logprobs_mode=logprobs_mode)
 
 
 verify_logits_with_key = key_twin(verify_logits, """\
@@ -167,13 +230,17 @@ TREE_LOGITS_ARRAYS = {"key": KEY, "target_logits": FLOAT, "draft_logits": FLOAT,
 
 
 @public_jit(arrays=TREE_LOGITS_ARRAYS,
-            static_argnames=("law", "pad_id", "max_depth", "uniform_layout"))
+            static_argnames=("law", "pad_id", "max_depth", "uniform_layout", "logprobs",
+                             "logprobs_mode"))
 def tree_verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None,
                        parents: ArrayLike, tokens: ArrayLike, uniforms: ArrayLike | None = None,
                        params: SamplingParams = SamplingParams(), *, key: ArrayLike | None = None,
                        num_nodes: ArrayLike | None = None,
                        law: str = "iid", pad_id: int = -1, max_depth: int | None = None,
-                       uniform_layout: str = "sequential") -> TreeVerifyResult:
+                       uniform_layout: str = "sequential", history: History | None = None,
+                       target_bitmask: ArrayLike | None = None,
+                       draft_bitmask: ArrayLike | None = None, logprobs: int | None = None,
+                       logprobs_mode: str = "processed") -> TreeVerifyResult:
   """:func:`~specdec_jax.tree_verify` on logits, with sampling parameters.
 
   Both sides' rows go through :func:`~specdec_jax.process_logits` with ``params``; greedy
@@ -193,7 +260,13 @@ def tree_verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None,
       :func:`~specdec_jax.tree_verify`.
     uniforms: ``(N,)`` uniforms; or
     key: one ``jax.random`` key (``uniform(key, (N,))``).
-    params: :class:`~specdec_jax.SamplingParams` with scalar fields.
+    params: :class:`~specdec_jax.SamplingParams` with one request's fields.
+    history: optional :class:`~specdec_jax.History`; node ``u``'s rows count the tokens of the
+      path to ``u`` as output too.
+    target_bitmask, draft_bitmask: optional grammar words ``(N, ceil(V / 32))``, row ``u`` the
+      mask after the path to node ``u``.
+    logprobs, logprobs_mode: static, as in :func:`verify_logits` (the row of each emitted
+      token is its parent node's).
 
   Returns:
     :class:`~specdec_jax.TreeVerifyResult`; ``BAD_PARAMS`` for out-of-range parameters.
@@ -220,14 +293,20 @@ def tree_verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None,
   size, vocab, max_depth = check_tree(target_logits, q, parents, tokens, uniforms, law,
                                       max_depth, name, uniform_layout)
   check_scalar(name, "num_nodes", num_nodes, INT)
-  params = check_params(params, name)
+  params = check_params(params, name, vocab=vocab)
+  history = check_history(name, history, vocab)
+  target_bitmask = check_bitmask(name, "target_bitmask", target_bitmask, size, vocab)
+  draft_bitmask = check_bitmask(name, "draft_bitmask", draft_bitmask, size, vocab)
   one_source(name, key, uniforms)
   if key is not None:
     uniforms = key_uniforms(name, key, size, compute_dtype(target_logits.dtype))
   draft_logits = None if law == "deterministic" else draft_logits
   return tree_from_logits(target_logits, draft_logits, parents, tokens, uniforms, params,
                           num_nodes, law=law, pad_id=pad_id, max_depth=max_depth,
-                          uniform_layout=uniform_layout, vocab=vocab)
+                          uniform_layout=uniform_layout, vocab=vocab, history=history,
+                          target_bitmask=target_bitmask, draft_bitmask=draft_bitmask,
+                          logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
+                          logprobs_mode=logprobs_mode)
 
 
 tree_verify_logits_with_key = key_twin(tree_verify_logits, """\

@@ -36,26 +36,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._adjust import History
+from specdec_jax._adjust import RowEdits
+from specdec_jax._adjust import adjusted_row
+from specdec_jax._adjust import needs_edits
+from specdec_jax._adjust import rows_edits
 from specdec_jax._checks import compute_dtype
-from specdec_jax._process import kept_set_keys
+from specdec_jax._cuts import CANDIDATES
+from specdec_jax._cuts import bisected_row
+from specdec_jax._cuts import row_candidates
+from specdec_jax._cuts import scaled as scaled
+from specdec_jax._cuts import settle
+from specdec_jax._cuts import sort_candidates
+from specdec_jax._params import clipped
+from specdec_jax._params import take_rows
 from specdec_jax._process import temperature_scale
 from specdec_jax._row_passes import block_maxima
 from specdec_jax._row_passes import exp_sums
 from specdec_jax._row_passes import first_max
 from specdec_jax._row_passes import nan_rows
-from specdec_jax._row_passes import top_candidates
+from specdec_jax._row_passes import row_loop
 from specdec_jax._threshold import any_if
 from specdec_jax._threshold import first_column
 from specdec_jax._threshold import full_vocab
 from specdec_jax._threshold import reduce_if
-from specdec_jax._threshold import softmax
-from specdec_jax._threshold import top_k_mask
-from specdec_jax._threshold import top_p_mask
 
-#: Candidates per row for the partial selection: a kept set that ends inside them is settled
-#: without another pass over the row; others fall back to the bisection. XLA:CPU's ``TopK``
-#: costs about linearly in ``k``: 32 keeps the selection at two floors of V = 32,000.
-CANDIDATES = 64
 
 class LogitStats(NamedTuple):
   """Per-row statistics of processed logits (each field ``(R,)``, or scalars for one row).
@@ -70,6 +75,13 @@ class LogitStats(NamedTuple):
     argmax: the lowest global id of the largest logit (greedy rows: a point mass there).
     greedy: temperature not ``> 0``.
     broken: a NaN or ``+inf`` logit, or no finite one: the row reads as NaN.
+    empty: the adjusted row allows no token (every entry masked, banned or ``-inf``; only
+      with row edits, else all False): it is broken too, and nothing is drawn from it.
+    top_values, top_ids: ``(R, k)`` the ``k`` largest adjusted logits in the kept-set order
+      and their ids (with ``logprobs=k > 0``), else None.
+    raw_top, raw_norm: the raw row's max and ``sum(exp(x - max))`` (``logprobs_mode="raw"``),
+      else None; with
+    raw_values, raw_ids: ``(R, k)`` the raw row's ``k`` largest logits and ids (``k > 0``).
   """
 
   top: jax.Array
@@ -80,18 +92,29 @@ class LogitStats(NamedTuple):
   argmax: jax.Array
   greedy: jax.Array
   broken: jax.Array
+  empty: jax.Array | None = None
+  top_values: jax.Array | None = None
+  top_ids: jax.Array | None = None
+  raw_top: jax.Array | None = None
+  raw_norm: jax.Array | None = None
+  raw_values: jax.Array | None = None
+  raw_ids: jax.Array | None = None
 
 
 class LogitRows(NamedTuple):
   """Logit rows ``(R, V)`` (``V / n`` per device when sharded) and their :class:`LogitStats`.
 
   A row source for every rule: :func:`~specdec_jax._rows.reader` reads probabilities from it.
-  ``column``: the global id of the first column held here (0 unsharded).
+  ``column``: the global id of the first column held here (0 unsharded). ``edits``: the rows'
+  :class:`~specdec_jax._adjust.RowEdits` (fields ``(R, ...)``) when a request's parameters
+  adjust its logits before the temperature, else None: the probabilities are then those of the
+  adjusted logits.
   """
 
   logits: jax.Array
   stats: LogitStats
   column: jax.Array
+  edits: RowEdits | None = None
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -105,12 +128,6 @@ class LogitRows(NamedTuple):
   def dtype(self) -> jnp.dtype:
     """The dtype of the probabilities read (at least float32)."""
     return compute_dtype(self.logits.dtype)
-
-
-def scaled(x: jax.Array, top, scale) -> jax.Array:
-  """``z = (x - top) / scale`` over the finite logits, ``-inf`` elsewhere (as
-  :func:`~specdec_jax._process.scaled_logits`, bit for bit)."""
-  return jnp.where(jnp.isfinite(x), (x - top) / scale, -jnp.inf)
 
 
 def row_probs(stats: LogitStats, x: jax.Array, ids: jax.Array) -> jax.Array:
@@ -127,18 +144,6 @@ def row_probs(stats: LogitStats, x: jax.Array, ids: jax.Array) -> jax.Array:
   return jnp.where(stats.broken, jnp.asarray(jnp.nan, dtype), probs)
 
 
-def row_loop(fn, xs):
-  """``fn`` over the leading axis of ``xs``: a loop on XLA:CPU (each row read once while it is
-  in cache, and ``lax.cond`` inside ``fn`` skips work per row), ``jax.vmap`` elsewhere."""
-  def looped(*xs):
-    return lax.map(lambda row: fn(*row), xs)
-
-  def vectorised(*xs):
-    return jax.vmap(fn)(*xs)
-
-  return lax.platform_dependent(*xs, cpu=looped, default=vectorised)
-
-
 def _per_row(params, name, rows, dtype):
   """Field ``name`` of ``params`` as ``(rows,)`` of ``dtype`` (None stays None)."""
   value = getattr(params, name)
@@ -147,119 +152,28 @@ def _per_row(params, name, rows, dtype):
   return jnp.broadcast_to(jnp.asarray(value), (rows,)).astype(dtype)
 
 
-def _bisected_row(x, top, scale, k_eff, top_p, *, axis_name):
-  """``(t, cut, S)`` of one row by the sort-free masks of :mod:`specdec_jax._threshold`:
-  exactly :func:`~specdec_jax._process.process_row`'s kept set and normaliser. A step that
-  does not cut this row (``k_eff = V``, ``top_p >= 1``) is skipped (``lax.cond``)."""
-  dtype = x.dtype
-  vocab = full_vocab(x.shape[-1], axis_name)
-  z = scaled(x, top, scale)
-  key = kept_set_keys(x)  # cut on the raw logits, as process_row
-  every = (z == z) | True  # typed like the row (inside shard_map: varying over its axis)
-  keep = every
-  if k_eff is not None:
-    keep = lax.cond(k_eff < vocab, lambda: top_k_mask(key, k_eff, axis_name), lambda: every)
-  if top_p is not None:
-    clipped = jnp.clip(top_p, jnp.finfo(dtype).tiny, 1)
-    masked = jnp.where(keep, z, -jnp.inf)
-    masked_key = jnp.where(keep, key, -jnp.inf)
-    keep = keep & lax.cond(
-      clipped < 1,
-      lambda: top_p_mask(masked_key, softmax(masked, axis_name), clipped, axis_name),
-      lambda: every)
-  first = 0 if axis_name is None else lax.axis_index(axis_name).astype(jnp.int32) * x.shape[-1]
-  ids = first + jnp.arange(x.shape[-1], dtype=jnp.int32)
-  t = reduce_if(lax.pmin, jnp.min(jnp.where(keep, x, jnp.inf)), axis_name)
-  cut = reduce_if(lax.pmax, jnp.max(jnp.where(keep & (x == t), ids, -1)), axis_name) + 1
-  norm = reduce_if(lax.psum, jnp.sum(jnp.where(keep, jnp.exp(z), jnp.zeros((), dtype))),
-                   axis_name)
-  return t, cut.astype(jnp.int32), norm
-
-
-def _candidates_settle(vals, idx, top, scale, norm_all, k_eff, top_p, vocab):
-  """``(t, cut, S, settled)`` per row from its largest logits ``vals`` (ids ``idx``).
-
-  The candidates are re-ordered by ``(x desc, id asc)``; the kept prefix is cut after top-k,
-  then after the first candidate whose preceding top-p mass is ``>= top_p``. The row is
-  settled when the cut's tie group lies inside the candidates (its logit is above the smallest
-  candidate's), or every entry is a candidate.
-  """
-  dtype = top.dtype
-  candidates = vals.shape[-1]
-  neg, ids = lax.sort((-vals.astype(dtype), idx.astype(jnp.int32)), dimension=-1, num_keys=2)
-  xs = -neg
-  zs = scaled(xs, top[:, None], scale[:, None])
-  j = jnp.arange(candidates, dtype=jnp.int32)[None, :]
-  if k_eff is None:
-    k_eff = jnp.full(top.shape, vocab, jnp.int32)
-  in_k = j < k_eff[:, None]
-  e = jnp.where(in_k, jnp.exp(zs), jnp.zeros((), dtype))
-  k_cuts = k_eff < vocab
-  norm_k = jnp.where(k_cuts, jnp.sum(e, axis=-1), norm_all)
-  kept = jnp.minimum(k_eff, candidates)
-  p_cuts = jnp.zeros(top.shape, bool)
-  if top_p is not None:
-    clipped = jnp.clip(top_p, jnp.finfo(dtype).tiny, 1)
-    mass = e / norm_k[:, None]
-    before = jnp.concatenate([jnp.zeros_like(mass[:, :1]), jnp.cumsum(mass, axis=-1)[:, :-1]],
-                             axis=-1)
-    fits = in_k & ((before < clipped[:, None]) | (clipped[:, None] >= 1))
-    p_cuts = clipped < 1
-    kept = jnp.where(p_cuts, jnp.sum(fits, axis=-1, dtype=jnp.int32), kept)
-  last = jnp.maximum(kept - 1, 0)
-  t = jnp.take_along_axis(xs, last[:, None], axis=-1)[:, 0]
-  cut = jnp.take_along_axis(ids, last[:, None], axis=-1)[:, 0] + 1
-  norm = jnp.sum(jnp.where(j < kept[:, None], e, jnp.zeros((), dtype)), axis=-1)
-  keep_all = ~k_cuts & ~p_cuts
-  # Settled: the cut's tie group lies inside the candidates, and so does the top-k set
-  # whose normaliser top-p reads.
-  settled = keep_all | (((candidates >= vocab) | (t > xs[:, -1]))
-                        & (~k_cuts | (k_eff <= candidates)))
-  t = jnp.where(keep_all, -jnp.inf, t)
-  cut = jnp.where(keep_all, vocab, cut)
-  norm = jnp.where(keep_all, norm_all, norm)
-  return t, cut.astype(jnp.int32), norm, settled
-
-
-def row_candidates(logits: jax.Array, maxima: jax.Array,
-                   axis_name: str | None = None) -> tuple[jax.Array, jax.Array]:
-  """``(values, ids)`` ``(R, C)``: the ``C = min(CANDIDATES, V)`` largest logits of each row
-  and their global ids (which of several entries tied at the smallest value is unspecified).
-
-  ``maxima``: the rows' block maxima (:func:`~specdec_jax._row_passes.block_maxima`). Sharded
-  (``axis_name``), each device selects its own shard's ``C`` largest, the ``n * C`` per row are
-  gathered (a few statistics per row, independent of ``V``: no device gathers a row) and the
-  ``C`` largest of them kept:
-  every entry above the ``C``-th largest of the row is among its shard's ``C`` largest.
-  ``-0.0`` may come back as ``+0.0`` (equal values, as everywhere in the kept-set order).
-  """
-  vocab_local = logits.shape[-1]
-  values, ids = top_candidates(logits, maxima, min(CANDIDATES, vocab_local))
-  if axis_name is None:
-    return values, ids
-  values, ids = (_gather(a, axis_name) for a in (values, ids + first_column(vocab_local,
-                                                                             axis_name)))
-  values, at = lax.top_k(values, min(CANDIDATES, values.shape[-1]))
-  return values, jnp.take_along_axis(ids, at, axis=-1)
-
-
-def _gather(a: jax.Array, axis_name: str) -> jax.Array:
-  """``(R, C)`` per device -> ``(R, n * C)``, device ``i``'s at ``[:, i * C:]``, the same on
-  every device: a ``psum`` of each device's block in its own slot, zeros elsewhere (exact:
-  ``x + 0 = x``), so that the result is typed as replicated, which ``lax.all_gather``'s is not
-  and every ``lax.cond`` on it needs."""
-  n = lax.axis_size(axis_name)
-  mine = jnp.arange(n)[None, :, None] == lax.axis_index(axis_name)
-  spread = jnp.where(mine, a[:, None, :], jnp.zeros((), a.dtype))  # (R, n, C)
-  return lax.psum(spread, axis_name).reshape(a.shape[0], -1)
+def _sparse_top(values: jax.Array, ids: jax.Array, vocab: int):
+  """``(max, lowest id attaining it)`` per row of listed entries ``(R, E)``."""
+  if values.shape[-1] == 0:
+    return (jnp.full(values.shape[:1], -jnp.inf, values.dtype),
+            jnp.full(values.shape[:1], vocab, jnp.int32))
+  top = jnp.max(values, axis=-1)
+  return top, jnp.min(jnp.where(values == top[:, None], ids, vocab), axis=-1).astype(jnp.int32)
 
 
 def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
-                candidates: bool = True) -> LogitStats:
+                candidates: bool = True, edits: RowEdits | None = None, logprobs: int = 0,
+                raw: bool = False, min_p_last: bool = False) -> LogitStats:
   """:class:`LogitStats` of rows ``(R, V)`` with per-row ``params`` (fields ``(R,)``, scalars,
   or None to remove a step at trace time); ``axis_name``: the rows are this device's columns.
   ``candidates=False`` cuts every row by the bisection (the same statistics; for tests and
-  benchmarks).
+  benchmarks). ``edits``: the rows' :class:`~specdec_jax._adjust.RowEdits`: the statistics are
+  those of the adjusted rows, read as the raw rows under the dense mask (``words``, unpacked
+  inside each pass: no adjusted row is written) with the listed entries folded in.
+  ``logprobs > 0`` (static) keeps each row's ``logprobs`` largest adjusted logits in the
+  kept-set order (one partial selection); ``raw`` (static) adds the raw row's max and
+  normaliser (one more pass) and, with ``logprobs``, its largest raw logits. ``min_p_last``
+  (static): ``min_p`` after top-k and top-p (sglang-jax's order).
 
   Out-of-range parameters are clipped as :func:`~specdec_jax._process.process_row` clips them
   (the caller flags ``BAD_PARAMS``).
@@ -273,20 +187,40 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
   # Compared in its own dtype before the int32 cast (a wide k cannot wrap into range).
   k_eff = None if k is None else jnp.where(k > 0, jnp.minimum(k, vocab), vocab).astype(jnp.int32)
   top_p = _per_row(params, "top_p", rows, dtype)
+  min_p = _per_row(params, "min_p", rows, dtype)
+  if min_p is not None:
+    min_p = jnp.clip(min_p, 0, 1)
   zeros = jnp.zeros((rows,), dtype)
+  column = first_column(vocab_local, axis_name)
+  words = None
+  if edits is not None:
+    listed = edits.values.astype(dtype)
+    words = edits.words
   # One read: block maxima; the row max, the flags and (from one block) the argmax follow.
   # Sharded, each is combined over the devices by one collective of (R,) values for the batch.
-  maxima = block_maxima(logits)
-  local_top = jnp.max(maxima, axis=-1)
+  # Under a mask (row edits) every pass applies it as it reads, a row at a time: no masked
+  # copy of the rows is written (:mod:`specdec_jax._row_passes`).
+  maxima = block_maxima(x, words=words)
+  dense_top = jnp.max(maxima, axis=-1)
+  argmax = first_max(x, maxima, dense_top, words=words) + column
+  local_top = dense_top
+  if edits is not None:  # the listed entries held here join the max and the argmax
+    listed_top, listed_arg = _sparse_top(listed, edits.ids, vocab)
+    local_top = jnp.maximum(dense_top, listed_top)
+    argmax = jnp.minimum(jnp.where(dense_top == local_top, argmax, vocab),
+                         jnp.where(listed_top == local_top, listed_arg, vocab))
   raw_top = reduce_if(lax.pmax, local_top, axis_name)
   infinite = ~jnp.isfinite(raw_top)  # +inf somewhere or no finite entry: the max tells
   top = jnp.where(infinite, zeros, raw_top.astype(dtype))
-  argmax = first_max(logits, maxima, local_top)
   if axis_name is not None:  # the lowest global id attaining the global max
-    argmax = lax.pmin(jnp.where(local_top == raw_top, first_column(vocab_local, axis_name)
-                                + argmax, vocab), axis_name)
+    argmax = lax.pmin(jnp.where(local_top == raw_top, argmax, vocab), axis_name)
   greedy = ~(temperature > 0)
   scale = temperature_scale(temperature, greedy)
+
+  def listed_exp():
+    if edits is None or not edits.ids.shape[-1]:
+      return jnp.zeros_like(top)
+    return jnp.sum(jnp.exp((listed - top[:, None]) / scale[:, None]), axis=-1)
 
   # A NaN the max may drop (XLA:CPU's does, see `nan_rows`); a sum propagates it. When some
   # row samples from its whole row, one more read gives the normaliser of every row, NaN
@@ -294,11 +228,14 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
   def full_norm():
     # Plain (x - top) / T: equal to `scaled` on every row that is not broken (-inf stays
     # -inf), and 3x faster on XLA:CPU without the select; broken rows read as NaN anyway.
-    norm = reduce_if(lax.psum, exp_sums(x, top, scale), axis_name)
+    norm = reduce_if(lax.psum, exp_sums(x, top, scale, words) + listed_exp(), axis_name)
     return norm, jnp.isnan(norm)
 
   def nan_only():
-    return jnp.zeros_like(top), any_if(nan_rows(logits, top), axis_name)
+    nan = nan_rows(x, top, words)
+    if edits is not None:
+      nan = nan | jnp.any(jnp.isnan(listed), axis=-1)
+    return jnp.zeros_like(top), any_if(nan, axis_name)
 
   # The sampled rows that top-k does not cut need the normaliser of the whole row (a row
   # top-k cuts takes its normaliser from the candidates or the bisection).
@@ -316,25 +253,44 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
     cutting = cutting | (k_eff < vocab)
   if top_p is not None:
     cutting = cutting | (jnp.clip(top_p, jnp.finfo(dtype).tiny, 1) < 1)
+  if min_p is not None:
+    cutting = cutting | (min_p > 0)
   cutting = cutting & sampled
+  raw_rows = logits.astype(dtype)
 
   def bisect(rows_to_cut):
-    """The bisection, one row at a time (the row stays in cache), for ``rows_to_cut``."""
+    """The bisection, one row at a time (the row stays in cache), for ``rows_to_cut``; a row
+    with edits is adjusted first (one ``(V,)`` row at a time, never the batch)."""
     def one(args):
-      needed, *row = args
-      zero = jnp.zeros_like(row[1])  # typed like the row's statistics (shard_map's axes)
-      return lax.cond(needed, lambda: _bisected_row(*row, axis_name=axis_name),
+      needed, row, top, scale, k_eff, top_p, min_p, row_edits = args
+      zero = jnp.zeros_like(top)  # typed like the row's statistics (shard_map's axes)
+      def cut():
+        adjusted = adjusted_row(row, row_edits, column)
+        return bisected_row(adjusted, top, scale, k_eff, top_p, min_p, axis_name=axis_name,
+                            min_p_last=min_p_last)
+      return lax.cond(needed, cut,
                       lambda: (zero - jnp.inf, zero.astype(jnp.int32) + vocab, zero))
-    return row_loop(lambda *args: one(args), (rows_to_cut, x, top, scale, k_eff, top_p))
+    return row_loop(lambda *args: one(args),
+                    (rows_to_cut, raw_rows, top, scale, k_eff, top_p, min_p, edits))
 
-  if k is None and top_p is None:
-    return LogitStats(top, scale, norm_all, *keep_all[:2], argmax, greedy, broken)
+  merged = None  # with logprobs the candidates are made once, for the cut and the top-k
+  if logprobs > 0:
+    merged = _merged_candidates(x, words, maxima, edits, listed if edits is not None else None,
+                                axis_name)
+  extra = _extra_stats(logits, merged, maxima, edits, raw_top, broken, axis_name, logprobs, raw)
+  if k is None and top_p is None and min_p is None:
+    return LogitStats(top, scale, norm_all, *keep_all[:2], argmax, greedy, broken, **extra)
+
   def cut_rows():
-    values, ids = row_candidates(logits, maxima, axis_name)
-    t, cut, norm, settled = _candidates_settle(values, ids, top, scale, norm_all, k_eff,
-                                               top_p, vocab)
-    if vocab <= CANDIDATES:  # the candidates are the whole row: every row settles,
-      return t, cut, norm    # and no fallback is compiled
+    xs, order_ids, floor = merged or _merged_candidates(
+      x, words, maxima, edits, listed if edits is not None else None, axis_name)
+    local = min(CANDIDATES, vocab_local)  # row_candidates' length (static)
+    count = local if axis_name is None else min(CANDIDATES, local * lax.axis_size(axis_name))
+    complete = count >= vocab
+    t, cut, norm, settled = settle(xs, order_ids, floor, top, scale, norm_all, k_eff, top_p,
+                                   min_p, vocab, min_p_last)
+    if complete:  # every row settles, and no fallback is compiled
+      return t, cut, norm
     pending = cutting & ~settled
     slow = lax.cond(jnp.any(pending), lambda: bisect(pending), lambda: (t, cut, norm))
     return tuple(jnp.where(pending, s, f) for s, f in zip(slow, (t, cut, norm), strict=True))
@@ -342,20 +298,90 @@ def logit_stats(logits: jax.Array, params, axis_name: str | None = None, *,
   t, cut, norm = lax.cond(jnp.any(cutting), cut_rows if candidates else lambda: bisect(cutting),
                           lambda: keep_all)
   t, cut, norm = (jnp.where(cutting, a, b) for a, b in zip((t, cut, norm), keep_all, strict=True))
-  return LogitStats(top, scale, norm, t, cut.astype(jnp.int32), argmax, greedy, broken)
+  return LogitStats(top, scale, norm, t, cut.astype(jnp.int32), argmax, greedy, broken,
+                    **extra)
 
 
-def lazy_rows(logits: jax.Array, params, axis_name: str | None = None) -> LogitRows:
-  """:class:`LogitRows` of ``(R, V)`` logits (this device's columns with ``axis_name``)."""
+def _merged_candidates(x, words, maxima, edits, listed, axis_name):
+  """The kept-set-ordered candidates of rows ``x`` (their dense part) with the listed entries
+  of ``edits`` merged in: ``(values, ids, floor)``, the list holding every entry above ``floor``
+  (``-inf``: every entry, the candidates being the whole row)."""
+  values, ids = row_candidates(x, maxima, axis_name, words)
+  vocab = full_vocab(x.shape[-1], axis_name)
+  complete = values.shape[-1] >= vocab
+  floor = jnp.full(values.shape[:1], -jnp.inf, x.dtype) if complete else jnp.min(
+    values, axis=-1).astype(x.dtype)
+  if edits is not None:  # every listed entry is a candidate (its value from its device)
+    shared = listed if axis_name is None else lax.pmax(listed, axis_name)
+    values = jnp.concatenate([values.astype(listed.dtype), shared], axis=-1)
+    ids = jnp.concatenate([ids.astype(jnp.int32), edits.ids], axis=-1)
+  xs, order_ids = sort_candidates(values.astype(x.dtype), ids)
+  return xs, order_ids, floor
+
+
+def _extra_stats(logits, merged, maxima, edits, raw_top, broken, axis_name, logprobs: int,
+                 raw: bool) -> dict:
+  """The optional :class:`LogitStats` fields: ``empty``, the top candidates for logprobs (from
+  ``merged``, :func:`_merged_candidates`), the raw row's statistics."""
+  extra = {"empty": (raw_top == -jnp.inf) if edits is not None else jnp.zeros_like(broken)}
+  if logprobs > 0:
+    xs, ids, _ = merged
+    extra.update(top_values=xs[:, :logprobs], top_ids=ids[:, :logprobs])
+  if raw:
+    dtype = compute_dtype(logits.dtype)
+    plain = logits.astype(dtype)
+    raw_maxima = maxima if edits is None else block_maxima(plain)
+    top = reduce_if(lax.pmax, jnp.max(raw_maxima, axis=-1), axis_name)
+    top = jnp.where(jnp.isfinite(top), top, jnp.zeros_like(top))
+    norm = reduce_if(lax.psum, exp_sums(plain, top, jnp.ones_like(top)), axis_name)
+    extra.update(raw_top=top, raw_norm=norm)
+    if logprobs > 0:
+      values, ids = row_candidates(plain, raw_maxima, axis_name)
+      xs, order_ids = sort_candidates(values.astype(dtype), ids)
+      extra.update(raw_values=xs[:, :logprobs], raw_ids=order_ids[:, :logprobs])
+  return extra
+
+
+def lazy_rows(logits: jax.Array, params, axis_name: str | None = None,
+              edits: RowEdits | None = None, logprobs: int = 0, raw: bool = False,
+              min_p_last: bool = False) -> LogitRows:
+  """:class:`LogitRows` of ``(R, V)`` logits (this device's columns with ``axis_name``) and,
+  when a request adjusts them, their :class:`~specdec_jax._adjust.RowEdits` ``edits``
+  (``logprobs``, ``raw``: as in :func:`logit_stats`)."""
   column = (jnp.int32(0) if axis_name is None
             else lax.axis_index(axis_name).astype(jnp.int32) * logits.shape[-1])
-  return LogitRows(logits, logit_stats(logits, params, axis_name), column)
+  stats = logit_stats(logits, params, axis_name, edits=edits, logprobs=logprobs, raw=raw,
+                      min_p_last=min_p_last)
+  return LogitRows(logits, stats, column, edits)
+
+
+def request_rows(logits: jax.Array, params, owners: jax.Array, axis_name: str | None = None, *,
+                 history=None, prefix=None, prefix_len=None, bitmask=None, logprobs: int = 0,
+                 raw: bool = False, min_p_last: bool = False) -> LogitRows:
+  """:class:`LogitRows` of rows ``(R, V)`` that requests own: row ``r`` belongs to request
+  ``owners[r]`` (its ``params`` and ``history`` fields, with a leading ``B`` or shared) and
+  follows the draft tokens ``prefix[r, :prefix_len[r]]``; ``bitmask`` ``(R, W)`` masks it. The
+  rows' :class:`~specdec_jax._adjust.RowEdits` are made only when something adjusts them
+  (``logprobs``, ``raw``: as in :func:`logit_stats`)."""
+  rows = logits.shape[0]
+  row_params = take_rows(params, owners)
+  edits = None
+  if needs_edits(params, bitmask):
+    if prefix is None:
+      prefix, prefix_len = jnp.full((rows, 0), -1, jnp.int32), jnp.zeros(rows, jnp.int32)
+    row_history = None if history is None else History(*(
+      None if h is None else (jnp.asarray(h)[owners] if jnp.ndim(h) == 2 else
+                              jnp.broadcast_to(jnp.asarray(h), (rows, *jnp.shape(h))))
+      for h in history))
+    edits = rows_edits(logits, clipped(row_params), row_history, prefix, prefix_len, bitmask,
+                       first_column(logits.shape[-1], axis_name))
+  return lazy_rows(logits, row_params, axis_name, edits, logprobs, raw, min_p_last)
 
 
 def sequence_params(params, rows: int):
-  """One sequence's scalar parameters, broadcast to its ``rows`` rows (None stays None)."""
-  return type(params)(*(None if v is None else jnp.broadcast_to(jnp.asarray(v), (rows,))
-                        for v in params))
+  """One sequence's parameters, broadcast to its ``rows`` rows (None stays None)."""
+  return take_rows(params, jnp.zeros((rows,), jnp.int32))
 
 
-__all__ = ["CANDIDATES", "LogitRows", "LogitStats", "lazy_rows", "logit_stats", "row_probs"]
+__all__ = ["CANDIDATES", "LogitRows", "LogitStats", "lazy_rows", "logit_stats", "request_rows",
+           "row_probs", "scaled"]

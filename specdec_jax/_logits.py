@@ -15,131 +15,41 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from specdec_jax._adjust import History
 from specdec_jax._checks import FLOAT
 from specdec_jax._checks import host_array
-from specdec_jax._checks import host_top_k
-from specdec_jax._checks import is_concrete
-from specdec_jax._errors import ErrorCode
+from specdec_jax._params import SamplingParams as SamplingParams
+from specdec_jax._params import check_bitmask
+from specdec_jax._params import check_history
+from specdec_jax._params import check_params as check_params
+from specdec_jax._params import history_error
+from specdec_jax._params import params_error as params_error
 from specdec_jax._process import process_rows as process_rows
 from specdec_jax._process import process_unchecked
 from specdec_jax._process import scaled_logits as scaled_logits
 from specdec_jax._sampling import sample_index
 
 
-class SamplingParams(NamedTuple):
-  """Per-sequence sampling parameters; every field may be a traced scalar (vmap over a batch).
+def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams(),
+                   history: History | None = None, bitmask=None) -> jax.Array:
+  """Logits to the processed distribution: adjustments, temperature, min_p, top-k, top-p.
 
-  Attributes:
-    temperature: float scalar ``>= 0``. ``0`` means greedy: the processed
-      distribution is a point mass on ``argmax(logits)`` (ties to the lowest id,
-      as ``jnp.argmax``). Default 1.
-    top_k: int scalar ``>= 0`` or ``None``. Keep the ``top_k`` largest logits;
-      ``0`` disables at run time, ``None`` removes the step at trace time.
-    top_p: float scalar in ``(0, 1]`` or ``None``. Keep the smallest prefix of the
-      tokens sorted by probability whose mass reaches ``top_p``; ``1`` disables at
-      run time, ``None`` at trace time.
-
-  Any positive temperature gives a valid distribution (as ``temperature -> 0`` it tends
-  to the uniform law over the tied maximal logits; ``inf`` gives the uniform law over the
-  tokens that top-k/top-p keep).
-
-  Out-of-range values: the host functions (:func:`process_logits`, :func:`sample_draft`,
-  the decoding loops) raise ``ValueError`` on concrete values; the jitted verifiers
-  (:func:`verify_logits`, :func:`verify_logits_with_key`) and traced values clip them
-  (temperature to 0 = greedy, top_k to 0, top_p into ``[tiny, 1]``) and report
-  ``ErrorCode.BAD_PARAMS`` in the result.
-  """
-
-  temperature: float | jax.Array = 1.0
-  top_k: int | jax.Array | None = None
-  top_p: float | jax.Array | None = None
-
-
-_EXPECTED = {"temperature": ">= 0", "top_k": ">= 0 (0 disables)",
-             "top_p": "in (0, 1]"}
-
-
-def _in_range(field: str, v: np.ndarray) -> np.ndarray:
-  if field == "temperature":
-    return v >= 0  # NaN fails
-  if field == "top_k":
-    return v >= 0
-  return (v > 0) & (v <= 1)
-
-
-def check_params(params: SamplingParams, name: str, batch: int | None = None, *,
-                 host_only: bool = False) -> SamplingParams:
-  """Host-side checks of :class:`SamplingParams`, shared by every entry point that takes them.
-
-  Fields must be scalars (``batch=None``: one sequence; use ``jax.vmap`` for a batch) or,
-  with ``batch = B``, scalars or ``(B,)`` arrays. ``top_k`` must be an integer and the
-  temperature must be set. Concrete values (:func:`~specdec_jax._checks.is_concrete`) must
-  be in range; traced ones are clipped where they are used and flagged by
-  :func:`params_error`. ``host_only``: JAX arrays are not read back (no device round trip; a
-  jitted entry point flags their values instead), only host values (NumPy, Python) are.
-  Returns ``params`` with a host ``top_k`` beyond int32 clipped (:func:`host_top_k`).
-  """
-  if not isinstance(params, SamplingParams):
-    raise TypeError(
-      f"{name}: `params` must be a SamplingParams, got {type(params).__name__} instead."
-    )
-  if params.temperature is None:
-    raise ValueError(f"{name}: `params.temperature` must be a number, got None instead.")
-  shapes = ((),) if batch is None else ((), (batch,))
-  for field, value in zip(params._fields, params, strict=True):
-    if value is None:
-      continue
-    try:
-      dtype = jnp.result_type(value)
-    except TypeError:
-      raise TypeError(
-        f"{name}: `params.{field}` must be a number or an array of numbers, got "
-        f"{type(value).__name__} instead.") from None
-    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
-      raise TypeError(f"{name}: `params.{field}` must be a real number, got dtype {dtype}.")
-    if field == "top_k" and not jnp.issubdtype(dtype, jnp.integer):
-      raise TypeError(f"{name}: `params.top_k` must be an integer, got dtype {dtype}.")
-    shape = jnp.shape(value)
-    if shape not in shapes:
-      expected = ("a scalar per sequence (use jax.vmap for a batch)" if batch is None else
-                  f"a scalar or have shape (B,) = ({batch},)")
-      raise ValueError(f"{name}: `params.{field}` must be {expected}, got shape {shape} instead.")
-    if is_concrete(value) and not (host_only and isinstance(value, jax.Array)):
-      v = np.asarray(value, np.float64)
-      if not np.all(_in_range(field, v)):
-        shown = v.tolist() if v.ndim else float(v)
-        if field == "top_k":
-          shown = np.asarray(value).tolist()
-        raise ValueError(f"{name}: `params.{field}` must be {_EXPECTED[field]}, got {shown} "
-                         "instead.")
-  return host_top_k(params)
-
-
-def params_error(params: SamplingParams) -> jax.Array:
-  """``ErrorCode.BAD_PARAMS`` where a parameter is out of range (traced-safe), else 0."""
-  bad = ~(jnp.asarray(params.temperature) >= 0)
-  if params.top_k is not None:
-    bad = bad | (jnp.asarray(params.top_k) < 0)
-  if params.top_p is not None:
-    top_p = jnp.asarray(params.top_p)
-    bad = bad | ~((top_p > 0) & (top_p <= 1))
-  return jnp.where(bad, jnp.int32(ErrorCode.BAD_PARAMS.value), jnp.int32(0))
-
-
-def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams()) -> jax.Array:
-  """Logits to the processed distribution: temperature, then top-k, then top-p.
-
+  0. The request's adjustments before the temperature, in vLLM's order (see
+     :class:`SamplingParams`): allowed token ids and the grammar ``bitmask``, bad words,
+     ``min_tokens``, the logit bias, then the penalties, reading ``history`` (what the
+     request produced so far; at a draft position, include the draft prefix in
+     ``history.output_ids``). Every later step works on these *adjusted* logits.
   1. ``temperature``: divide by it; ``0`` means greedy (point mass on the argmax).
-  2. ``top_k``: keep the ``k`` largest logits. Ties at the boundary are broken
+  2. ``min_p``: keep the tokens whose probability is at least ``min_p`` times the largest.
+  3. ``top_k``: keep the ``k`` largest logits. Ties at the boundary are broken
      toward the lower token id (as a stable sort would), so exactly ``k`` survive.
-  3. ``top_p``: over the softmax of what survived, in the same order, keep each token
+  4. ``top_p``: over the softmax of what survived, in the same order, keep each token
      whose preceding mass is ``< top_p`` (the first token always survives; the token
      that crosses ``top_p`` is kept).
-  4. Softmax (log-sum-exp stabilised) over the survivors.
+  5. Softmax (log-sum-exp stabilised) over the survivors.
 
-  The order of steps 2 and 3 is that of the *raw* logits (descending, ties toward the
+  The order of steps 2 to 4 is that of the *raw* logits (descending, ties toward the
   lower id), never of the temperature-scaled ones: a temperature can round two distinct
   logits to one value, and every verifier from logits, :func:`sample_draft` and the
   decoding loops cut the same order, so they all keep the same set
@@ -170,8 +80,13 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
 
   Args:
     logits: ``(V,)`` or ``(rows, V)`` floating logits (all rows share ``params``).
-    params: :class:`SamplingParams` with scalar fields (use ``jax.vmap`` for
+    params: :class:`SamplingParams` with one request's fields (use ``jax.vmap`` for
       per-sequence values).
+    history: optional :class:`~specdec_jax.History` (prompt and output ids) that the
+      penalties, ``min_tokens`` and bad words read.
+    bitmask: optional grammar mask, int32 words ``(ceil(V / 32),)`` or ``(rows, ceil(V /
+      32))``: token ``32 j + i`` is allowed iff bit ``i`` of word ``j`` is set (xgrammar's
+      and llguidance's layout).
 
   Returns:
     Probabilities of the same shape, float32 (float64 for float64 input).
@@ -188,17 +103,32 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams())
     Holtzman et al., "The Curious Case of Neural Text Degeneration" (top-p),
     ICLR 2020, arXiv:1904.09751; Fan et al. 2018 (top-k), arXiv:1805.04833.
   """
-  params = check_params(params, "process_logits")
-  logits = jnp.asarray(host_array("process_logits", "logits", logits, FLOAT))
+  return _process_checked("process_logits", logits, params, history, bitmask)
+
+
+def _process_checked(name, logits, params, history, bitmask) -> jax.Array:
+  """:func:`process_logits` with ``name`` in its messages (``sample_draft`` shares it)."""
+  logits = jnp.asarray(host_array(name, "logits", logits, FLOAT))
   if logits.ndim not in (1, 2) or logits.shape[-1] < 1:
     raise ValueError(
-      f"process_logits: `logits` must have shape (V,) or (rows, V) with V >= 1, "
+      f"{name}: `logits` must have shape (V,) or (rows, V) with V >= 1, "
       f"got {tuple(logits.shape)} instead."
     )
   if not jnp.issubdtype(logits.dtype, jnp.floating):
-    raise TypeError(f"process_logits: `logits` must be floating, got {logits.dtype} instead.")
-  probs = process_unchecked(logits, params)
-  return jnp.where(params_error(params) != 0, jnp.asarray(jnp.nan, probs.dtype), probs)
+    raise TypeError(f"{name}: `logits` must be floating, got {logits.dtype} instead.")
+  vocab = logits.shape[-1]
+  params = check_params(params, name, vocab=vocab)
+  history = check_history(name, history, vocab)
+  if bitmask is not None and jnp.ndim(bitmask) == 2:
+    bitmask = check_bitmask(name, "bitmask", bitmask, logits.shape[0] if logits.ndim == 2
+                            else -1, vocab)
+  else:
+    bitmask = check_bitmask(name, "bitmask", bitmask, None, vocab)
+  history = None if history is None else jax.tree.map(jnp.asarray, history)
+  probs = process_unchecked(logits, params, history=history,
+                            bitmask=None if bitmask is None else jnp.asarray(bitmask))
+  bad = params_error(params, vocab) | (0 if history is None else history_error(history, vocab))
+  return jnp.where(bad != 0, jnp.asarray(jnp.nan, probs.dtype), probs)
 
 
 class DraftSample(NamedTuple):
@@ -215,7 +145,8 @@ class DraftSample(NamedTuple):
 
 
 def sample_draft(key: jax.Array, logits: jax.Array,
-                 params: SamplingParams = SamplingParams()) -> DraftSample:
+                 params: SamplingParams = SamplingParams(), history: History | None = None,
+                 bitmask=None) -> DraftSample:
   """Sample one draft token from the processed distribution and return that distribution.
 
   Returning ``probs`` with the token means the ``q`` given to verification is, by
@@ -230,6 +161,10 @@ def sample_draft(key: jax.Array, logits: jax.Array,
     key: a ``jax.random`` key.
     logits: ``(V,)`` draft logits for the next position.
     params: :class:`SamplingParams`; the same ones the target is verified with.
+    history: optional :class:`~specdec_jax.History`: what the request produced before this
+      position, the draft tokens already proposed included (the verifier counts the draft
+      prefix the same way).
+    bitmask: optional grammar words ``(ceil(V / 32),)`` of this position.
 
   Returns:
     :class:`DraftSample` ``(token, probs)``.
@@ -240,7 +175,7 @@ def sample_draft(key: jax.Array, logits: jax.Array,
     >>> int(s.token), s.probs.tolist()
     (1, [0.0, 1.0, 0.0])
   """
-  probs = process_logits(logits, params)
+  probs = _process_checked("sample_draft", logits, params, history, bitmask)
   if probs.ndim != 1:
     raise ValueError(
       f"sample_draft: `logits` must have shape (V,), got {tuple(jnp.shape(logits))} instead. "
@@ -250,10 +185,11 @@ def sample_draft(key: jax.Array, logits: jax.Array,
   return DraftSample(sample_index(probs, u), probs)
 
 
-def sample_unchecked(key: jax.Array, logits: jax.Array, params: SamplingParams) -> DraftSample:
+def sample_unchecked(key: jax.Array, logits: jax.Array, params: SamplingParams,
+                     history: History | None = None, bitmask=None) -> DraftSample:
   """:func:`sample_draft` on :func:`process_unchecked` (the decoding loops, which flag
   ``ErrorCode.BAD_PARAMS`` themselves)."""
-  probs = process_unchecked(logits, params)
+  probs = process_unchecked(logits, params, history=history, bitmask=bitmask)
   u = jax.random.uniform(key, (), dtype=probs.dtype)
   return DraftSample(sample_index(probs, u), probs)
 

@@ -24,6 +24,7 @@ from specdec_jax._checks import INT
 from specdec_jax._checks import KEY
 from specdec_jax._checks import host_array
 from specdec_jax._logits import SamplingParams
+from specdec_jax._params import per_request as broadcast_params
 
 
 def place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
@@ -49,6 +50,14 @@ def check_divisible(fn: str, arg: str, vocab: int, shards: int, vocab_axis: str)
   if vocab % shards:
     raise ValueError(f"{fn}: V = {vocab} must be divisible by the {shards} devices of mesh "
                      f"axis {vocab_axis!r} (V: the columns of `{arg}`).")
+
+
+def check_word_aligned(fn: str, vocab: int, shards: int, vocab_axis: str) -> None:
+  """Masks and row edits split over the vocabulary need whole bitmask words per device."""
+  if vocab % (32 * shards):
+    raise ValueError(f"{fn}: grammar bitmasks and the parameters that adjust logits need the "
+                     f"vocabulary split into whole 32-token words per device: V = {vocab} must "
+                     f"be divisible by 32 * {shards} (the size of mesh axis {vocab_axis!r}).")
 
 
 def over_vocab(body: Callable, mesh: Mesh, vocab_axis: str, named: dict, rows: tuple[str, ...],
@@ -123,9 +132,8 @@ def batch_counts(name: str, arg: str, value, batch: int, default: int) -> jax.Ar
 
 
 def per_request(params: SamplingParams, batch: int) -> SamplingParams:
-  """Scalar or ``(B,)`` fields as ``(B,)`` arrays (None stays None)."""
-  return SamplingParams(*(None if v is None else jnp.broadcast_to(jnp.asarray(v), (batch,))
-                          for v in params))
+  """Every field with a leading ``B`` (:func:`specdec_jax._params.per_request`)."""
+  return broadcast_params(params, batch)
 
 
 class Built:

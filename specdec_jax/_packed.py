@@ -15,7 +15,6 @@ the engines' sentinels are mapped by ``convention``. The same body runs over voc
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +22,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
-from specdec_jax._checks import FLOAT
+from specdec_jax._adjust import History
+from specdec_jax._adjust import needs_edits
 from specdec_jax._checks import INT
-from specdec_jax._checks import KEY
 from specdec_jax._checks import check_array
 from specdec_jax._checks import check_pad_id
 from specdec_jax._checks import check_static_int
@@ -36,106 +35,31 @@ from specdec_jax._engine import all_greedy
 from specdec_jax._engine import check_convention
 from specdec_jax._engine import engine_params
 from specdec_jax._engine import row_owners
-from specdec_jax._engine import rows_params
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
 from specdec_jax._keys import draw_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._keys import uniforms_first
-from specdec_jax._lazy import lazy_rows
+from specdec_jax._lazy import request_rows
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
+from specdec_jax._logprobs import check_logprobs
+from specdec_jax._logprobs import finish_emitted
+from specdec_jax._logprobs import result_specs
 from specdec_jax._mesh import check_divisible
+from specdec_jax._mesh import check_word_aligned
 from specdec_jax._mesh import over_vocab
+from specdec_jax._packed_checks import PACKED_ARRAYS
+from specdec_jax._packed_checks import check_packed
+from specdec_jax._packed_checks import host_checks
+from specdec_jax._packed_checks import no_draft_mask
+from specdec_jax._params import check_bitmask
+from specdec_jax._params import check_history
+from specdec_jax._params import history_error
+from specdec_jax._results import PackedVerifyResult as PackedVerifyResult
+from specdec_jax._rows import masked_rows
 from specdec_jax._rules import CHAIN_RULES
-
-
-class PackedVerifyResult(NamedTuple):
-  """What :func:`packed_verify` produced for a batch of ``B`` requests.
-
-  Attributes:
-    tokens: int32 ``(B, max_spec_len + 1)``: per request its accepted drafts, then the
-      replacement (first rejection) or bonus token, then ``pad_id`` (vLLM's layout; see
-      :func:`flat_tokens` for tpu-inference's).
-    num_tokens: int32 ``(B,)`` new tokens per request, ``num_accepted + 1``.
-    num_accepted: int32 ``(B,)`` accepted drafts per request.
-    num_uniforms: int32 ``(B,)`` uniforms each request read (slots ``0 .. n - 1`` of its row).
-    valid: bool ``(B,)``: everything the request's step read was in range.
-    error: int32 ``(B,)`` :class:`~specdec_jax.ErrorCode` bits; 0 when ``valid``.
-  """
-
-  tokens: jax.Array
-  num_tokens: jax.Array
-  num_accepted: jax.Array
-  num_uniforms: jax.Array
-  valid: jax.Array
-  error: jax.Array
-
-
-def check_packed(name, draft_token_ids, num_draft_tokens, target, draft, bonus_token_ids,
-                  uniforms, max_spec_len, bonus_rows, target_name, draft_name):
-  """Trace-time checks of the packed arrays. Returns ``(B, T, V)``."""
-  check_array(name, "draft_token_ids", draft_token_ids, 1, INT, batch_hint=False)
-  check_array(name, "num_draft_tokens", num_draft_tokens, 1, INT, batch_hint=False)
-  check_array(name, target_name, target, 2, FLOAT, batch_hint=False)
-  batch, total = num_draft_tokens.shape[0], draft_token_ids.shape[0]
-  vocab = target.shape[1]
-  if batch < 1 or vocab < 1:
-    raise ValueError(f"{name}: need B >= 1 requests (`num_draft_tokens` of shape (B,)) and "
-                     f"V >= 1 columns in `{target_name}`, got B = {batch}, V = {vocab}.")
-  if bonus_rows and target.shape[0] < batch:
-    raise ValueError(f"{name}: `{target_name}` must have at least one bonus row per request "
-                     f"(B = {batch}) with `bonus_rows=True`, got shape {tuple(target.shape)}.")
-  if draft is not None:
-    check_array(name, draft_name, draft, 2, FLOAT, batch_hint=False)
-    if draft.shape[1] != vocab:
-      raise ValueError(f"{name}: `{draft_name}` must have V = {vocab} columns (from "
-                       f"`{target_name}`), got shape {tuple(draft.shape)} instead.")
-  if bonus_token_ids is not None:
-    check_array(name, "bonus_token_ids", bonus_token_ids, 1, INT, batch_hint=False)
-    if bonus_token_ids.shape[0] != batch:
-      raise ValueError(f"{name}: `bonus_token_ids` must have shape (B,) = ({batch},), got "
-                       f"{tuple(bonus_token_ids.shape)} instead.")
-  elif not bonus_rows:
-    raise ValueError(f"{name}: without `bonus_token_ids` the bonus token is sampled from each "
-                     "request's bonus row: `bonus_rows` must be True (target rows [T + B, V]).")
-  if uniforms is not None:
-    check_array(name, "uniforms", uniforms, 2, FLOAT, batch_hint=False)
-    if tuple(uniforms.shape) != (batch, max_spec_len + 1):
-      raise ValueError(f"{name}: `uniforms` must have shape (B, max_spec_len + 1) = ({batch}, "
-                       f"{max_spec_len + 1}), got {tuple(uniforms.shape)} instead.")
-  return batch, total, vocab
-
-
-def _host_checks(name, num_draft_tokens, draft_token_ids, max_spec_len, params, batch,
-                 target, draft, bonus_rows, target_name, draft_name):
-  """Host values checked on the host; JAX arrays are not read back (no device round trip),
-  their values are flagged under jit like traced ones."""
-  if isinstance(num_draft_tokens, np.ndarray) and num_draft_tokens.ndim == 1:
-    counts = np.asarray(num_draft_tokens)
-    bad = (counts < 0) | (counts > max_spec_len)
-    if bad.any():
-      raise ValueError(f"{name}: `num_draft_tokens` must be in [0, max_spec_len] = [0, "
-                       f"{max_spec_len}], got {counts.tolist()} instead.")
-    if counts.sum() > draft_token_ids.shape[0]:
-      raise ValueError(f"{name}: `num_draft_tokens` sums to {int(counts.sum())}, more than the "
-                       f"{draft_token_ids.shape[0]} entries of `draft_token_ids`.")
-    needed = int(counts.sum()) + (batch if bonus_rows else 0)
-    if getattr(target, "ndim", 0) == 2 and target.shape[0] < needed:
-      layout = "T + B (draft rows and a bonus row per request)" if bonus_rows else "T"
-      raise ValueError(f"{name}: `{target_name}` must have at least {layout} = {needed} rows "
-                       f"for these counts, got shape {tuple(target.shape)} instead.")
-    if getattr(draft, "ndim", 0) == 2 and draft.shape[0] < counts.sum():
-      raise ValueError(f"{name}: `{draft_name}` must have at least T = {int(counts.sum())} rows "
-                       f"for these counts, got shape {tuple(draft.shape)} instead.")
-  if params is not None:
-    check_params(params, name, batch=batch, host_only=True)
-
-
-PACKED_ARRAYS = {"draft_token_ids": INT, "num_draft_tokens": INT, "target_probs": FLOAT,
-                 "target_logits": FLOAT, "draft_probs": FLOAT, "draft_logits": FLOAT,
-                 "bonus_token_ids": INT, "key": KEY, "uniforms": FLOAT}
 
 
 def packed_verify(draft_token_ids: ArrayLike, num_draft_tokens: ArrayLike, *, max_spec_len: int,
@@ -146,7 +70,10 @@ def packed_verify(draft_token_ids: ArrayLike, num_draft_tokens: ArrayLike, *, ma
                   params: SamplingParams | None = None, key: ArrayLike | None = None,
                   uniforms: ArrayLike | None = None, bonus_rows: bool | None = None,
                   rule: str = "token",
-                  convention: str = "specdec", pad_id: int = -1) -> PackedVerifyResult:
+                  convention: str = "specdec", pad_id: int = -1,
+                  history: History | None = None, target_bitmask: ArrayLike | None = None,
+                  draft_bitmask: ArrayLike | None = None, logprobs: int | None = None,
+                  logprobs_mode: str = "processed") -> PackedVerifyResult:
   """Exact verification of a packed, ragged batch, reading every row in place (jitted).
 
   Request ``i`` proposed ``n_i = num_draft_tokens[i]`` tokens, stored at
@@ -191,8 +118,23 @@ def packed_verify(draft_token_ids: ArrayLike, num_draft_tokens: ArrayLike, *, ma
     uniforms: ``(B, S + 1)`` floats in ``[0, 1)``.
     bonus_rows: static bool, see above; default: True without ``bonus_token_ids``.
     rule: static ``"token"`` or ``"block"``.
-    convention: static, how ``params`` writes greedy and "disabled" (:func:`engine_params`).
+    convention: static, how ``params`` writes greedy and "disabled" (:func:`engine_params`);
+      ``"sglang"`` also applies ``min_p`` after top-k and top-p, as sglang-jax's sampler does.
     pad_id: static int for the unused slots of ``tokens``.
+    history: optional :class:`~specdec_jax.History` with fields ``(B, n)`` (vLLM's
+      ``prompt_token_ids`` and ``output_token_ids``, ``-1`` padded): what the penalties,
+      ``min_tokens`` and bad words read; a request's draft row ``j`` (target or draft side)
+      counts its drafts ``0 .. j - 1`` as output too.
+    target_bitmask: optional grammar words ``(rows of the target, ceil(V / 32))``, row for row
+      with ``target_probs`` / ``target_logits`` (bonus rows included).
+    draft_bitmask: optional ``(rows of the draft, ceil(V / 32))``, the words each draft was
+      sampled under.
+    logprobs: static, None or an int ``k`` in ``[0, 64]``: the result's ``logprobs`` (each
+      emitted token's log-probability under its row's processed target distribution) and,
+      for ``k > 0``, ``top_ids`` / ``top_logprobs`` (each such row's ``k`` most likely
+      tokens).
+    logprobs_mode: static, ``"processed"`` (default) or ``"raw"`` (the raw logits' softmax,
+      vLLM's ``raw_logprobs``; with probabilities both are the rows' own).
 
   Returns:
     :class:`PackedVerifyResult` with ``tokens (B, S + 1)``.
@@ -222,13 +164,16 @@ def packed_verify(draft_token_ids: ArrayLike, num_draft_tokens: ArrayLike, *, ma
                      target_logits=target_logits, draft_probs=draft_probs,
                      draft_logits=draft_logits, bonus_token_ids=bonus_token_ids, params=params,
                      key=key, uniforms=uniforms, bonus_rows=bonus_rows, rule=rule,
-                     convention=convention, pad_id=pad_id)
+                     convention=convention, pad_id=pad_id, history=history,
+                     target_bitmask=target_bitmask, draft_bitmask=draft_bitmask,
+                     logprobs=logprobs, logprobs_mode=logprobs_mode)
 
 
 def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, max_spec_len,
                 target_probs, target_logits, draft_probs, draft_logits, bonus_token_ids, params,
-                key, uniforms, bonus_rows, rule, convention, pad_id,
-                lower=False) -> PackedVerifyResult:
+                key, uniforms, bonus_rows, rule, convention, pad_id, history=None,
+                target_bitmask=None, draft_bitmask=None, logprobs=None,
+                logprobs_mode="processed", lower=False) -> PackedVerifyResult:
   """Host-side checks and conversion, then the jitted packed body (over ``mesh``, if given)."""
   args = dict(draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens,
               target_probs=target_probs, target_logits=target_logits, draft_probs=draft_probs,
@@ -265,7 +210,7 @@ def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, ma
   logits = args["target_probs"] is None
   for arg in ("draft_token_ids", "num_draft_tokens"):
     check_array(name, arg, args[arg], 1, INT, batch_hint=False)
-  _host_checks(name, args["num_draft_tokens"], args["draft_token_ids"], max_spec_len, params,
+  host_checks(name, args["num_draft_tokens"], args["draft_token_ids"], max_spec_len, params,
                jnp.shape(args["num_draft_tokens"])[0] if jnp.ndim(args["num_draft_tokens"]) else 0,
                args["target_logits" if logits else "target_probs"],
                args["draft_logits"] if args["draft_logits"] is not None else args["draft_probs"],
@@ -276,17 +221,41 @@ def packed_call(name, mesh, vocab_axis, draft_token_ids, num_draft_tokens, *, ma
   args["key"], args["uniforms"] = uniforms_first(
     name, args["key"], args["uniforms"], jnp.shape(args["num_draft_tokens"])[0],
     max_spec_len + 1, [target.dtype] + ([] if draft is None else [draft.dtype]))
+  vocab = target.shape[-1] if jnp.ndim(target) == 2 else None
+  batch = jnp.shape(args["num_draft_tokens"])[0] if jnp.ndim(args["num_draft_tokens"]) else 0
+  if history is not None and not logits:
+    raise ValueError(f"{name}: `history` feeds the parameters that adjust logits: pass "
+                     "`target_logits` (probabilities are already processed; a grammar "
+                     "`target_bitmask` applies to them).")
+  if params is not None:
+    params = check_params(params, name, batch=batch, host_only=True, vocab=vocab)
+  history = check_history(name, history, vocab, batch)
+  target_bitmask = check_bitmask(name, "target_bitmask", target_bitmask, jnp.shape(target)[0],
+                                 vocab)
+  draft_bitmask = check_bitmask(name, "draft_bitmask", draft_bitmask,
+                                None if draft is None else jnp.shape(draft)[0], vocab) if (
+    draft is not None) else no_draft_mask(name, draft_bitmask)
+  if mesh is not None and (target_bitmask is not None or draft_bitmask is not None or (
+      params is not None and needs_edits(params, None))):
+    check_word_aligned(name, vocab, mesh.shape[vocab_axis], vocab_axis)
   run = packed_jit.lower if lower else packed_jit
   return run(**args, params=params, max_spec_len=max_spec_len, bonus_rows=bonus_rows,
-                     rule=rule, pad_id=pad_id, name=name, mesh=mesh, vocab_axis=vocab_axis)
+                     rule=rule, pad_id=pad_id, name=name, mesh=mesh, vocab_axis=vocab_axis,
+                     history=history, target_bitmask=target_bitmask,
+                     draft_bitmask=draft_bitmask,
+                     logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
+                     logprobs_mode=logprobs_mode, min_p_last=convention == "sglang")
 
 
 @functools.partial(jax.jit, static_argnames=("max_spec_len", "bonus_rows", "rule", "pad_id",
-                                             "name", "mesh", "vocab_axis"))
+                                             "name", "mesh", "vocab_axis", "logprobs",
+                                             "logprobs_mode", "min_p_last"))
 def packed_jit(draft_token_ids, num_draft_tokens, target_probs, target_logits, draft_probs,
-                draft_logits, bonus_token_ids, key, uniforms, params, *, max_spec_len,
+                draft_logits, bonus_token_ids, key, uniforms, params, history=None,
+                target_bitmask=None, draft_bitmask=None, *, max_spec_len,
                 bonus_rows, rule, pad_id, name="packed_verify", mesh=None,
-                vocab_axis=None) -> PackedVerifyResult:
+                vocab_axis=None, logprobs=None, logprobs_mode="processed",
+                min_p_last=False) -> PackedVerifyResult:
   logits = target_probs is None
   target = target_logits if logits else target_probs
   draft = draft_logits if draft_logits is not None else draft_probs
@@ -308,19 +277,24 @@ def packed_jit(draft_token_ids, num_draft_tokens, target_probs, target_logits, d
       target = jnp.zeros((1, vocab), target.dtype)
   named = dict(draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens,
                target=target, draft=draft, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
-               params=params)
+               params=params, history=history, target_bitmask=target_bitmask,
+               draft_bitmask=draft_bitmask)
   body = functools.partial(packed_body, max_spec_len=max_spec_len, bonus_rows=bonus_rows,
                            rule=rule, pad_id=pad_id, vocab=vocab,
-                           draft_is_logits=draft_logits is not None, sizes=sizes)
+                           draft_is_logits=draft_logits is not None, sizes=sizes,
+                           logprobs=logprobs, logprobs_mode=logprobs_mode,
+                           min_p_last=min_p_last)
   if mesh is None:
     return body(named, axis_name=None)
   check_divisible(name, target_name, vocab, mesh.shape[vocab_axis], vocab_axis)
-  return over_vocab(body, mesh, vocab_axis, named, rows=("target", "draft"),
-                    out_specs=PackedVerifyResult(*(P(),) * 6))
+  return over_vocab(body, mesh, vocab_axis, named,
+                    rows=("target", "draft", "target_bitmask", "draft_bitmask"),
+                    out_specs=PackedVerifyResult(*(P(),) * 6, *result_specs(logprobs)))
 
 
 def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id: int,
-                vocab: int, draft_is_logits: bool = False,
+                vocab: int, draft_is_logits: bool = False, logprobs: int | None = None,
+                logprobs_mode: str = "processed", min_p_last: bool = False,
                 axis_name: str | None = None,
                 sizes: tuple[int, int, int | None] | None = None) -> PackedVerifyResult:
   """The traced body of :func:`packed_verify` (``axis_name``: rows split over the vocabulary).
@@ -348,17 +322,29 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
     bad_count = bad_count | (starts + counts > draft_rows)
   error = flag(bad_count, ErrorCode.BAD_NUM_DRAFT)
 
-  if params is not None:  # logits: each row processed with its request's parameters
-    row_counts = counts + 1 if bonus_rows else counts
-    owners = row_owners(row_counts, target.shape[0])
-    target = lazy_rows(target, rows_params(params, owners), axis_name)
-    if draft is not None and draft_is_logits:
-      draft = lazy_rows(draft, rows_params(params, row_owners(counts, draft.shape[0])), axis_name)
-    error = error | jnp.broadcast_to(params_error(params), (batch,))
-
   positions = jnp.arange(max_spec_len, dtype=jnp.int32)
   slots = jnp.clip(starts[:, None] + positions[None, :], 0, max(total - 1, 0))
   drafts = draft_token_ids[slots]
+
+  if params is None:  # probabilities: masked (and renormalised) where a bitmask is given
+    target = masked_rows(target, named.get("target_bitmask"), axis_name)
+    if draft is not None:
+      draft = masked_rows(draft, named.get("draft_bitmask"), axis_name)
+  if params is not None:  # logits: each row processed with its request's parameters
+    row_counts = counts + 1 if bonus_rows else counts
+    history = named.get("history")
+    target = packed_rows(target, params, history, drafts, row_counts, p_offsets,
+                         named.get("target_bitmask"), axis_name, logprobs, logprobs_mode,
+                         min_p_last)
+    if draft is not None and draft_is_logits:
+      draft = packed_rows(draft, params, history, drafts, counts, starts,
+                          named.get("draft_bitmask"), axis_name, None, logprobs_mode,
+                          min_p_last)
+    elif draft is not None:
+      draft = masked_rows(draft, named.get("draft_bitmask"), axis_name)
+    error = error | jnp.broadcast_to(params_error(params, vocab), (batch,))
+    if history is not None:
+      error = error | jnp.broadcast_to(history_error(history, vocab), (batch,))
   rule_rows = CHAIN_RULES[rule]
 
   def one(ids, u, n, p_offset, q_offset, bonus):
@@ -368,6 +354,12 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
   bonus = named["bonus_token_ids"]
   result = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None if bonus is None else 0))(
     drafts, named["uniforms"], counts, p_offsets, starts, bonus)
+  slots = jnp.arange(max_spec_len + 1, dtype=jnp.int32)
+  rows = jnp.clip(p_offsets[:, None] + slots[None, :], 0, max(target.shape[0] - 1, 0))
+  caller = None if bonus is None else result.num_accepted == counts  # the caller's bonus token
+  result = jax.vmap(lambda r, rw, c: finish_emitted(
+    r, target, rw, pad_id=pad_id, k=logprobs, mode=logprobs_mode, axis_name=axis_name,
+    caller_token=c), in_axes=(0, 0, None if caller is None else 0))(result, rows, caller)
   error = result.error | error
   if params is not None and draft is not None and not draft_is_logits:
     # A greedy request's target is a point mass: its draft is kept iff it is the argmax and
@@ -376,7 +368,24 @@ def packed_body(named, *, max_spec_len: int, bonus_rows: bool, rule: str, pad_id
     # negative entries can change the outcome and stay flagged.
     greedy = jnp.broadcast_to(~(jnp.asarray(params.temperature) > 0), (batch,))
     error = jnp.where(greedy & (error & ErrorCode.NOT_NORMALIZED.value == error), 0, error)
-  return PackedVerifyResult(*result[:4], valid=error == 0, error=error)
+  return PackedVerifyResult(*result[:4], valid=error == 0, error=error, logprobs=result.logprobs,
+                            top_ids=result.top_ids, top_logprobs=result.top_logprobs)
+
+
+def packed_rows(rows, params, history, drafts, row_counts, offsets, bitmask, axis_name,
+                logprobs=None, logprobs_mode="processed", min_p_last=False):
+  """Packed logit rows as a lazily processed row source: row ``r`` belongs to the request that
+  owns it (``row_counts`` per request, in order), whose ``j``-th row (``r = offsets[b] + j``)
+  follows its drafts ``drafts[b, :j]`` after its ``history``."""
+  owners = row_owners(row_counts, rows.shape[0])
+  position = jnp.clip(jnp.arange(rows.shape[0], dtype=jnp.int32) - offsets[owners], 0,
+                      drafts.shape[1])
+  j = jnp.arange(drafts.shape[1], dtype=jnp.int32)[None, :]
+  prefix = jnp.where(j < position[:, None], drafts[owners], -1)
+  return request_rows(rows, params, owners, axis_name, history=history, prefix=prefix,
+                      prefix_len=position, bitmask=bitmask, logprobs=logprobs or 0,
+                      raw=logprobs is not None and logprobs_mode == "raw",
+                      min_p_last=min_p_last)
 
 
 __all__ = ["PackedVerifyResult", "packed_verify"]

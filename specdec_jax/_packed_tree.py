@@ -15,15 +15,16 @@ coin for coin.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
+from specdec_jax._adjust import History
+from specdec_jax._adjust import needs_edits
+from specdec_jax._adjust import tree_prefixes
 from specdec_jax._checks import FLOAT
 from specdec_jax._checks import INT
 from specdec_jax._checks import KEY
@@ -41,106 +42,28 @@ from specdec_jax._errors import flag
 from specdec_jax._keys import draw_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._keys import uniforms_first
-from specdec_jax._lazy import lazy_rows
+from specdec_jax._lazy import request_rows
+from specdec_jax._links import malformed_links as malformed_links
+from specdec_jax._links import parents_from_links as parents_from_links
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
 from specdec_jax._logits import params_error
+from specdec_jax._logprobs import check_logprobs
+from specdec_jax._logprobs import finish_emitted
+from specdec_jax._logprobs import path_rows
+from specdec_jax._logprobs import result_specs
 from specdec_jax._mesh import check_divisible
+from specdec_jax._mesh import check_word_aligned
 from specdec_jax._mesh import over_vocab
+from specdec_jax._params import check_bitmask
+from specdec_jax._params import check_history
+from specdec_jax._params import history_error
+from specdec_jax._results import PackedTreeResult as PackedTreeResult
+from specdec_jax._results import PackedTreeVerifyResult as PackedTreeVerifyResult
+from specdec_jax._rows import masked_rows
 from specdec_jax._rules import LAWS
 from specdec_jax._rules import TREE_RULE
 from specdec_jax._rules import UNIFORM_LAYOUTS
-
-
-class PackedTreeVerifyResult(NamedTuple):
-  """What :func:`packed_tree_verify` produced for ``B`` trees.
-
-  The first six fields are those of every result (:class:`~specdec_jax.VerifyResult`).
-
-  Attributes:
-    tokens: int32 ``(B, max_depth + 1)``: the accepted path's tokens, then the final token
-      (replacement or bonus), then ``pad_id``.
-    num_tokens: int32 ``(B,)`` new tokens, ``num_accepted + 1``.
-    num_accepted: int32 ``(B,)`` accepted draft tokens (sglang's ``accept_length``).
-    num_uniforms: int32 ``(B,)`` coins read as fresh uniforms (tests plus the final sample;
-      under ``"per_parent"`` a parent's coin is rescaled after each rejection, not re-read).
-    valid: bool ``(B,)``.
-    error: int32 ``(B,)`` :class:`~specdec_jax.ErrorCode` bits.
-    path: int32 ``(B, max_depth + 1)``: the accepted nodes (tree indices ``u``), then ``-1``.
-    accept_index: int32 ``(B, max_depth + 1)``: sglang's ``accept_index``, the flat rows
-      ``b * N + u`` of the root and then of the accepted nodes, ``-1`` after.
-    predicts: int32 ``(B * N,)``: sglang's ``predicts``, the token emitted after each node of
-      the accepted path (row ``b * N + u``: the next accepted token, or the final one after
-      the last accepted node), ``pad_id`` at every other node.
-  """
-
-  tokens: jax.Array
-  num_tokens: jax.Array
-  num_accepted: jax.Array
-  num_uniforms: jax.Array
-  valid: jax.Array
-  error: jax.Array
-  path: jax.Array
-  accept_index: jax.Array
-  predicts: jax.Array
-
-
-#: The name of earlier versions, kept as an alias.
-PackedTreeResult = PackedTreeVerifyResult
-
-
-def parents_from_links(first_child: jax.Array, next_sibling: jax.Array) -> jax.Array:
-  """Parent indices ``(N,)`` of a tree given as first-child / next-sibling links (-1: none).
-
-  The root (node 0) and nodes no link reaches get ``-1``. Traced-safe: links outside
-  ``[0, N)`` are ignored (the node they would reach is then unreachable, and
-  :func:`~specdec_jax.tree_verify` flags a real node without a valid parent).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> parents_from_links(jnp.array([1, 3, -1, -1]), jnp.array([-1, 2, -1, -1])).tolist()
-    [-1, 0, 0, 1]
-  """
-  size = first_child.shape[0]
-  nodes = jnp.arange(size, dtype=jnp.int32)
-
-  def valid(link):
-    return (link >= 0) & (link < size)
-
-  parent = jnp.full((size,), -1, jnp.int32).at[jnp.where(valid(first_child), first_child, size)]
-  parent = parent.set(nodes, mode="drop")
-  previous = jnp.full((size,), -1, jnp.int32).at[jnp.where(valid(next_sibling), next_sibling,
-                                                           size)].set(nodes, mode="drop")
-
-  def follow(_, parent):  # a sibling has its previous sibling's parent
-    inherited = jnp.where(previous >= 0, parent[jnp.maximum(previous, 0)], -1)
-    return jnp.where(parent >= 0, parent, inherited)
-
-  return lax.fori_loop(0, size, follow, parent).at[0].set(-1)
-
-
-def malformed_links(first_child: jax.Array, next_sibling: jax.Array) -> jax.Array:
-  """Whether one tree's links break the encoding :func:`packed_tree_verify` reads (traced bool).
-
-  Well formed: every link is ``-1`` or a later node (``u < link < N``: children after their
-  parent, siblings in increasing order, hence no cycle), no node is reached by two links, and
-  the root has no sibling. Nodes no link reaches are flagged by the tree rule itself.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> bool(malformed_links(jnp.array([1, -1, -1]), jnp.array([-1, 2, -1])))
-    False
-    >>> bool(malformed_links(jnp.array([2, -1, -1]), jnp.array([-1, -1, 1])))  # 2 -> 1
-    True
-  """
-  size = first_child.shape[0]
-  nodes = jnp.arange(size, dtype=first_child.dtype)
-  links = jnp.concatenate([first_child, next_sibling])
-  out_of_order = (links != -1) & ((links <= jnp.tile(nodes, 2)) | (links >= size))
-  reached = jnp.zeros((size,), jnp.int32).at[jnp.where(links >= 0, links, size)].add(
-    1, mode="drop")
-  return jnp.any(out_of_order) | jnp.any(reached > 1) | (next_sibling[0] != -1)
-
 
 TREE_PACKED_ARRAYS = {"candidates": INT, "retrive_next_token": INT,
                       "retrive_next_sibling": INT, "target_probs": FLOAT, "target_logits": FLOAT,
@@ -158,7 +81,10 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
                        key: ArrayLike | None = None, uniforms: ArrayLike | None = None,
                        coins: ArrayLike | None = None, uniform_layout: str = "per_parent",
                        convention: str = "specdec", pad_id: int = -1,
-                       final_coins: ArrayLike | None = None) -> PackedTreeVerifyResult:
+                       final_coins: ArrayLike | None = None, history: History | None = None,
+                       target_bitmask: ArrayLike | None = None,
+                       draft_bitmask: ArrayLike | None = None, logprobs: int | None = None,
+                       logprobs_mode: str = "processed") -> PackedTreeVerifyResult:
   """Exact tree verification of ``B`` draft trees in sglang-jax's encoding (jitted).
 
   Each tree is verified by :func:`~specdec_jax.tree_verify` (recursive rejection sampling)
@@ -204,7 +130,15 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
       ``uniform_layout``; with ``uniforms`` only.
     uniform_layout: static, ``"per_parent"`` (sglang, default), ``"per_node"`` or
       ``"sequential"`` (see :func:`~specdec_jax.tree_verify`).
-    convention: static, how ``params`` writes greedy / disabled (:func:`engine_params`).
+    convention: static, how ``params`` writes greedy / disabled (:func:`engine_params`;
+      ``"sglang"``: ``min_p`` after top-k and top-p, sglang-jax's order).
+    history: optional :class:`~specdec_jax.History` with fields ``(B, n)``: node ``u``'s rows
+      count the tokens of the path to ``u`` as output too (penalties, ``min_tokens``, bad
+      words).
+    target_bitmask, draft_bitmask: optional grammar words ``(B * N, ceil(V / 32))``, row
+      ``b * N + u`` the mask after the path to node ``u``.
+    logprobs, logprobs_mode: static, as in :func:`~specdec_jax.packed_verify` (each emitted
+      token's row is its parent node's).
     pad_id: static int for unused token slots.
 
   Returns:
@@ -236,14 +170,18 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
                           target_logits=target_logits, draft_probs=draft_probs,
                           draft_logits=draft_logits, params=params, law=law, key=key,
                           uniforms=uniforms, coins=coins, uniform_layout=uniform_layout,
-                          convention=convention, pad_id=pad_id, final_coins=final_coins)
+                          convention=convention, pad_id=pad_id, final_coins=final_coins,
+                          history=history, target_bitmask=target_bitmask,
+                          draft_bitmask=draft_bitmask, logprobs=logprobs,
+                          logprobs_mode=logprobs_mode)
 
 
 def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
                      retrive_next_sibling, *, max_depth, target_probs, target_logits,
                      draft_probs, draft_logits, params, law, key, uniforms, coins,
-                     uniform_layout, convention, pad_id, final_coins=None,
-                     lower=False) -> PackedTreeVerifyResult:
+                     uniform_layout, convention, pad_id, final_coins=None, history=None,
+                     target_bitmask=None, draft_bitmask=None, logprobs=None,
+                     logprobs_mode="processed", lower=False) -> PackedTreeVerifyResult:
   """Host-side checks and conversion, then the jitted packed-tree body (over ``mesh``)."""
   if coins is not None and uniforms is not None:
     raise ValueError(f"{name}: `coins` is another name of `uniforms`; pass one of them.")
@@ -298,29 +236,46 @@ def packed_tree_call(name, mesh, vocab_axis, candidates, retrive_next_token,
                        "neither; only a batch whose requests are all greedy (host-known "
                        "`params` temperatures) needs no randomness.")
   one_source(name, key, uniforms)
-  if params is not None:
-    params = engine_params(host_top_k(params), convention)
-    params = check_params(params, name, batch=shape[0], host_only=True)
-  elif args["target_logits"] is not None:
-    params = SamplingParams()
   target = args["target_probs"] if args["target_logits"] is None else args["target_logits"]
   draft = args["draft_probs"] if args["draft_logits"] is None else args["draft_logits"]
+  vocab = target.shape[-1]
+  if params is not None:
+    params = engine_params(host_top_k(params), convention)
+    params = check_params(params, name, batch=shape[0], host_only=True, vocab=vocab)
+  elif args["target_logits"] is not None:
+    params = SamplingParams()
+  if history is not None and args["target_logits"] is None:
+    raise ValueError(f"{name}: `history` feeds the parameters that adjust logits: pass "
+                     "`target_logits` (probabilities are already processed; a grammar "
+                     "`target_bitmask` applies to them).")
+  history = check_history(name, history, vocab, shape[0])
+  target_bitmask = check_bitmask(name, "target_bitmask", target_bitmask, target.shape[0], vocab)
+  draft_bitmask = check_bitmask(name, "draft_bitmask", draft_bitmask, target.shape[0], vocab)
+  if mesh is not None and (target_bitmask is not None or draft_bitmask is not None
+                           or (params is not None and needs_edits(params, None))):
+    check_word_aligned(name, vocab, mesh.shape[vocab_axis], vocab_axis)
   args["key"], args["uniforms"] = uniforms_first(
     name, args["key"], args["uniforms"], shape[0], shape[1],
     [target.dtype] + ([] if draft is None else [draft.dtype]))
   run = packed_tree_jit.lower if lower else packed_tree_jit
-  return run(**args, params=params, max_depth=max_depth, law=law,
-                   uniform_layout=uniform_layout, pad_id=pad_id, name=name, mesh=mesh,
-                   vocab_axis=vocab_axis)
+  return run(**args, params=params, history=history, target_bitmask=target_bitmask,
+             draft_bitmask=draft_bitmask, max_depth=max_depth, law=law,
+             logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
+             logprobs_mode=logprobs_mode, min_p_last=convention == "sglang",
+             uniform_layout=uniform_layout, pad_id=pad_id, name=name, mesh=mesh,
+             vocab_axis=vocab_axis)
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "law", "uniform_layout", "pad_id",
-                                             "name", "mesh", "vocab_axis"))
+                                             "name", "mesh", "vocab_axis", "logprobs",
+                                             "logprobs_mode", "min_p_last"))
 def packed_tree_jit(candidates, retrive_next_token, retrive_next_sibling, target_probs,
                     target_logits, draft_probs, draft_logits, uniforms, key, params,
-                    final_coins=None, *, max_depth,
+                    final_coins=None, history=None, target_bitmask=None, draft_bitmask=None, *,
+                    max_depth,
                     law, uniform_layout, pad_id, name="packed_tree_verify", mesh=None,
-                    vocab_axis=None):
+                    vocab_axis=None, logprobs=None, logprobs_mode="processed",
+                    min_p_last=False):
   batch, size = candidates.shape
   target = target_probs if target_logits is None else target_logits
   draft = draft_probs if draft_logits is None else draft_logits
@@ -347,36 +302,56 @@ def packed_tree_jit(candidates, retrive_next_token, retrive_next_sibling, target
     uniforms = jnp.concatenate([uniforms, final_coins.astype(uniforms.dtype)[:, None]], axis=1)
   named = dict(candidates=candidates, retrive_next_token=retrive_next_token,
                retrive_next_sibling=retrive_next_sibling, target=target, draft=draft,
-               uniforms=uniforms, params=params)
+               uniforms=uniforms, params=params, history=history,
+               target_bitmask=target_bitmask, draft_bitmask=draft_bitmask)
   body = functools.partial(packed_tree_body, max_depth=max_depth, law=law,
                            uniform_layout=uniform_layout, pad_id=pad_id,
                            vocab=target.shape[1], draft_is_logits=draft_logits is not None,
-                           final_coin=final_coins is not None)
+                           final_coin=final_coins is not None, logprobs=logprobs,
+                           logprobs_mode=logprobs_mode, min_p_last=min_p_last)
   if mesh is None:
     return body(named, axis_name=None)
   check_divisible(name, target_name, target.shape[1], mesh.shape[vocab_axis], vocab_axis)
-  return over_vocab(body, mesh, vocab_axis, named, rows=("target", "draft"),
-                    out_specs=PackedTreeVerifyResult(*(P(),) * 9))
+  return over_vocab(body, mesh, vocab_axis, named,
+                    rows=("target", "draft", "target_bitmask", "draft_bitmask"),
+                    out_specs=PackedTreeVerifyResult(*(P(),) * 9, *result_specs(logprobs)))
 
 
 def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
-                     draft_is_logits=False, final_coin=False,
+                     draft_is_logits=False, final_coin=False, logprobs=None,
+                     logprobs_mode="processed", min_p_last=False,
                      axis_name=None) -> PackedTreeVerifyResult:
   """The traced body of :func:`packed_tree_verify` (``axis_name``: vocabulary-split rows)."""
   candidates, target, draft = named["candidates"], named["target"], named["draft"]
   batch, size = candidates.shape
   error = jnp.zeros((batch,), jnp.int32)
   params = named["params"]
-  if params is not None:
-    owners = jnp.arange(batch * size, dtype=jnp.int32) // size
-    rows = SamplingParams(*(None if v is None else (
-      jnp.broadcast_to(jnp.asarray(v), (batch,))[owners]) for v in params))
-    target = lazy_rows(target, rows, axis_name)
-    if draft is not None and draft_is_logits:
-      draft = lazy_rows(draft, rows, axis_name)
-    error = error | jnp.broadcast_to(params_error(params), (batch,))
   links = (named["retrive_next_token"], named["retrive_next_sibling"])
   parents = jax.vmap(parents_from_links)(*links)
+  if params is None:  # probabilities: masked (and renormalised) where a bitmask is given
+    target = masked_rows(target, named.get("target_bitmask"), axis_name)
+    draft = None if draft is None else masked_rows(draft, named.get("draft_bitmask"), axis_name)
+  if params is not None:  # node u's rows follow the path to u after the request's history
+    owners = jnp.arange(batch * size, dtype=jnp.int32) // size
+    history, masks = named.get("history"), (named.get("target_bitmask"),
+                                            named.get("draft_bitmask"))
+    prefix = prefix_len = None
+    if needs_edits(params, masks[0]) or needs_edits(params, masks[1]):
+      prefix, prefix_len = jax.vmap(tree_prefixes, in_axes=(0, 0, None))(
+        parents, candidates, max(max_depth, 1))
+      prefix, prefix_len = prefix.reshape(batch * size, -1), prefix_len.reshape(-1)
+    rows = functools.partial(request_rows, owners=owners, axis_name=axis_name,
+                             history=history, prefix=prefix, prefix_len=prefix_len,
+                             min_p_last=min_p_last)
+    target = rows(target, params, bitmask=masks[0], logprobs=logprobs or 0,
+                  raw=logprobs is not None and logprobs_mode == "raw")
+    if draft is not None and draft_is_logits:
+      draft = rows(draft, params, bitmask=masks[1])
+    elif draft is not None:
+      draft = masked_rows(draft, masks[1], axis_name)
+    error = error | jnp.broadcast_to(params_error(params, vocab), (batch,))
+    if history is not None:
+      error = error | jnp.broadcast_to(history_error(history, vocab), (batch,))
   error = error | flag(jax.vmap(malformed_links)(*links), ErrorCode.BAD_PARAMS)
 
   def one(parents, tokens, uniforms, offset):
@@ -386,6 +361,9 @@ def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
 
   offsets = jnp.arange(batch, dtype=jnp.int32) * size
   result = jax.vmap(one)(parents, candidates, named["uniforms"], offsets)
+  result = jax.vmap(lambda r, o: finish_emitted(
+    r, target, path_rows(r.path, o), pad_id=pad_id, k=logprobs, mode=logprobs_mode,
+    axis_name=axis_name))(result, offsets)
   accepted_rows = jnp.where(result.path >= 0, offsets[:, None] + result.path, -1)
   accept_index = jnp.concatenate([offsets[:, None], accepted_rows[:, :-1]], axis=1)
   error = result.error | error
@@ -393,7 +371,9 @@ def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
   predicts = jnp.full((batch * size,), pad_id, jnp.int32).at[
     jnp.where(written, accept_index, batch * size)].set(result.tokens, mode="drop")
   return PackedTreeVerifyResult(*result[:4], valid=error == 0, error=error, path=result.path,
-                                accept_index=accept_index, predicts=predicts)
+                                accept_index=accept_index, predicts=predicts,
+                                logprobs=result.logprobs, top_ids=result.top_ids,
+                                top_logprobs=result.top_logprobs)
 
 
 __all__ = ["PackedTreeResult", "PackedTreeVerifyResult", "malformed_links", "packed_tree_verify",

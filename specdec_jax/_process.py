@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._adjust import adjusted_row
+from specdec_jax._adjust import row_edits
 from specdec_jax._checks import compute_dtype
+from specdec_jax._params import clipped
 from specdec_jax._threshold import any_if
 from specdec_jax._threshold import first_column
 from specdec_jax._threshold import full_vocab
@@ -101,16 +104,36 @@ def _argmax_one_hot(logits: jax.Array, axis_name: str) -> jax.Array:
   return jnp.arange(vocab, dtype=jnp.int32) + first == winner
 
 
-def process_row(logits: jax.Array, params: SamplingParams,
-                 axis_name: str | None = None) -> jax.Array:
+def min_p_keeps(z: jax.Array, min_p) -> jax.Array:
+  """``min_p``'s mask on scaled logits ``z``: ``p >= min_p * max p``, i.e. ``z >= log(min_p)``
+  (``z``'s largest entry is 0); ``min_p <= 0`` keeps everything."""
+  min_p = jnp.asarray(min_p, z.dtype)
+  return (z >= jnp.log(jnp.maximum(min_p, jnp.finfo(z.dtype).tiny))) | (min_p <= 0)
+
+
+def process_row(logits: jax.Array, params: SamplingParams, axis_name: str | None = None,
+                edits=None, min_p_last: bool = False) -> jax.Array:
   """One row ``(V,)`` of logits to probabilities (float32 at least); with ``axis_name``, this
-  device's ``(V_local,)`` slice of the row split over that mesh axis (see :func:`process_rows`)."""
+  device's ``(V_local,)`` slice of the row split over that mesh axis (see :func:`process_rows`).
+
+  ``edits``: the row's :class:`~specdec_jax._adjust.RowEdits` (what a request's penalties,
+  bias, masks and bans do before the temperature), applied first; then the temperature,
+  ``min_p``, top-k and top-p on the adjusted logits (``min_p_last``, static: sglang-jax's order,
+  ``min_p`` after top-k and top-p)."""
   vocab = logits.shape[-1]
-  z, greedy, broken = scaled_logits(logits, params.temperature, axis_name)
+  x = adjusted_row(logits.astype(compute_dtype(logits.dtype)), edits,
+                   first_column(vocab, axis_name))
+  z, greedy, broken = scaled_logits(x, params.temperature, axis_name)
   dtype = z.dtype
   neg_inf = jnp.full_like(z, -jnp.inf)
-  key = kept_set_keys(logits)  # the kept set is cut on the raw logits (kept_set_keys)
+  key = kept_set_keys(x)  # the kept set is cut on the (adjusted) logits (kept_set_keys)
 
+  min_p = getattr(params, "min_p", None)
+  if min_p is not None:
+    min_p = jnp.clip(jnp.asarray(min_p, dtype), 0, 1)
+  if min_p is not None and not min_p_last:
+    keep = min_p_keeps(z, min_p)
+    z, key = jnp.where(keep, z, neg_inf), jnp.where(keep, key, neg_inf)
   if params.top_k is not None:
     keep = top_k_mask(key, params.top_k, axis_name)
     z, key = jnp.where(keep, z, neg_inf), jnp.where(keep, key, neg_inf)
@@ -118,25 +141,35 @@ def process_row(logits: jax.Array, params: SamplingParams,
     top_p = jnp.clip(jnp.asarray(params.top_p, dtype), jnp.finfo(dtype).tiny, 1)
     keep = top_p_mask(key, softmax(z, axis_name), top_p, axis_name)
     z = jnp.where(keep | (top_p >= 1), z, neg_inf)
+  if min_p is not None and min_p_last:
+    z = jnp.where(min_p_keeps(z, min_p), z, neg_inf)
 
   probs = softmax(z, axis_name)
   if axis_name is None:
-    one_hot = jax.nn.one_hot(jnp.argmax(logits), vocab, dtype=dtype)
+    one_hot = jax.nn.one_hot(jnp.argmax(x), vocab, dtype=dtype)
   else:
-    one_hot = _argmax_one_hot(logits, axis_name).astype(dtype)
+    one_hot = _argmax_one_hot(x, axis_name).astype(dtype)
   # A broken row is NaN at every temperature (greedy too), so whoever reads it flags it.
   return jnp.where(broken, jnp.nan, jnp.where(greedy, one_hot, probs))
 
 
 def process_unchecked(logits: jax.Array, params: SamplingParams,
-                      axis_name: str | None = None) -> jax.Array:
+                      axis_name: str | None = None, history=None, bitmask=None) -> jax.Array:
   """:func:`process_logits` without its checks, and without NaN rows for out-of-range
   parameters: for callers that flag ``ErrorCode.BAD_PARAMS`` themselves (the verifiers from
-  logits, the decoding loops). ``axis_name``: as in :func:`process_rows`."""
-  row = functools.partial(process_row, axis_name=axis_name)
+  logits, the decoding loops). ``axis_name``: as in :func:`process_rows`. ``history`` (a
+  :class:`~specdec_jax.History`) and ``bitmask`` (grammar words ``(W,)``, or ``(rows, W)``)
+  feed the parameters that adjust the logits before the temperature."""
+  def row(x, mask):
+    first = first_column(x.shape[-1], axis_name)
+    none = jnp.zeros((0,), jnp.int32)
+    edits = row_edits(x.astype(compute_dtype(x.dtype)), clipped(params), history, none, 0,
+                      mask, first=first)
+    return process_row(x, params, axis_name, edits)
   if logits.ndim == 1:
-    return row(logits, params)
-  return jax.vmap(row, in_axes=(0, None))(logits, params)
+    return row(logits, bitmask)
+  mask_axis = None if bitmask is None or bitmask.ndim == 1 else 0
+  return jax.vmap(row, in_axes=(0, mask_axis))(logits, bitmask)
 
 
 def process_rows(logits: jax.Array, params: SamplingParams,

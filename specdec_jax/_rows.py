@@ -19,11 +19,15 @@ rule (a batch index on CPU, plain slices under ``vmap``); :class:`ArrayRows` wra
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._adjust import bits
+from specdec_jax._adjust import edited_entries
+from specdec_jax._adjust import edited_slice
 from specdec_jax._lazy import LogitRows
 from specdec_jax._lazy import row_probs
 
@@ -41,6 +45,8 @@ def reader(array, batch_index: jax.Array | None = None, batched=None) -> Reader:
   """
   if isinstance(array, LogitRows):
     return _logit_reader(array, batch_index, batched)
+  if isinstance(array, MaskedRows):
+    return _masked_reader(array, batch_index, batched)
   if array.shape[-2] == 0:
     return lambda _row, _start, size: jnp.zeros((size,), array.dtype)
 
@@ -63,8 +69,9 @@ def _logit_reader(rows: LogitRows, batch_index, batched) -> Reader:
     index = jnp.asarray(batch_index, jnp.int32)
     stats = jax.tree.map(lambda s, b: s[index] if b else s, rows.stats, batched.stats)
     column = rows.column[index] if batched.column else rows.column
+    edits = jax.tree.map(lambda s, b: s[index] if b else s, rows.edits, batched.edits)
   else:
-    stats, column = rows.stats, rows.column
+    stats, column, edits = rows.stats, rows.column, rows.edits
   raw = reader(rows.logits, batch_index if batched.logits else None)
   dtype = rows.dtype
 
@@ -76,7 +83,81 @@ def _logit_reader(rows: LogitRows, batch_index, batched) -> Reader:
     # dynamic_slice clamps the start so that the slice fits: the ids follow the clamp.
     first = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows.logits.shape[-1] - size)
     ids = column + first + jnp.arange(size, dtype=jnp.int32)
-    return row_probs(row_stats, raw(row, start, size), ids)
+    x = raw(row, start, size).astype(dtype)
+    if edits is not None:  # the request's adjustments: the mask, then the listed entries
+      x = edited_slice(jax.tree.map(lambda e: e[at], edits), x, first, ids)
+    return row_probs(row_stats, x, ids)
+
+  return read
+
+
+class MaskedRows(NamedTuple):
+  """Probability rows ``(R, V)`` under a grammar bitmask: ``p * allowed / mass``, computed where
+  read (``V / n`` columns and words per device when sharded).
+
+  Attributes:
+    probs: ``(R, V_local)`` the rows as given.
+    words: uint32 ``(R, W_local)`` bitmask words (bit ``i`` of word ``j``: local column
+      ``32 j + i`` allowed).
+    mass: ``(R,)`` each row's allowed mass (summed over the devices); 0: the row allows
+      nothing (it reads as NaN).
+  """
+
+  probs: jax.Array
+  words: jax.Array
+  mass: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.probs.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.probs.ndim
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return jnp.promote_types(self.probs.dtype, jnp.float32)
+
+
+def masked_rows(probs: jax.Array, words: jax.Array | None, axis_name: str | None = None):
+  """``probs`` under the bitmask ``words`` (:class:`MaskedRows`), or ``probs`` without one."""
+  if words is None:
+    return probs
+  words = words.astype(jnp.uint32)
+  dtype = jnp.promote_types(probs.dtype, jnp.float32)
+  allowed = bits(words, probs.shape[-1])
+  mass = jnp.sum(jnp.where(allowed, probs.astype(dtype), 0), axis=-1)
+  if axis_name is not None:
+    mass = lax.psum(mass, axis_name)
+  return MaskedRows(probs, words, mass)
+
+
+def _bit(words: jax.Array, local: jax.Array) -> jax.Array:
+  """Whether local columns ``local`` are allowed by ``words`` (leading shapes alike)."""
+  word = jnp.take_along_axis(words, (local // 32)[..., None], axis=-1)[..., 0]
+  return ((word >> (local % 32).astype(jnp.uint32)) & 1) != 0
+
+
+def _masked_reader(rows: MaskedRows, batch_index, batched) -> Reader:
+  """The reader of :class:`MaskedRows`: slices of the rows times their mask, renormalised."""
+  if batched is None:
+    batched = jax.tree.map(lambda _: batch_index is not None, rows)
+  index = None if batch_index is None else jnp.asarray(batch_index, jnp.int32)
+  raw = reader(rows.probs, index if batched.probs else None)
+  words = reader(rows.words, index if batched.words else None)
+  mass = rows.mass[index] if (index is not None and batched.mass) else rows.mass
+  dtype = rows.dtype
+
+  def read(row, start, size: int) -> jax.Array:
+    if rows.probs.shape[-2] == 0:
+      return jnp.zeros((size,), dtype)
+    at = jnp.clip(jnp.asarray(row, jnp.int32), 0, rows.probs.shape[-2] - 1)
+    first = jnp.clip(jnp.asarray(start, jnp.int32), 0, rows.probs.shape[-1] - size)
+    local = first + jnp.arange(size, dtype=jnp.int32)
+    word = words(row, 0, rows.words.shape[-1])[local // 32]
+    allowed = ((word >> (local % 32).astype(jnp.uint32)) & 1) != 0
+    return jnp.where(allowed, raw(row, start, size).astype(dtype) / mass[at], 0)
 
   return read
 
@@ -84,10 +165,16 @@ def _logit_reader(rows: LogitRows, batch_index, batched) -> Reader:
 def entries(array, rows: jax.Array, local: jax.Array) -> jax.Array:
   """``array[rows, local]`` (gathered entries), processed for
   :class:`~specdec_jax._lazy.LogitRows` (``local``: this device's column indices)."""
+  if isinstance(array, MaskedRows):
+    bit = _bit(array.words[rows], local)
+    return jnp.where(bit, array.probs[rows, local] / array.mass[rows], 0).astype(array.dtype)
   if not isinstance(array, LogitRows):
     return array[rows, local]
   stats = jax.tree.map(lambda s: s[rows], array.stats)
-  return row_probs(stats, array.logits[rows, local], local + array.column)
+  x = array.logits[rows, local].astype(array.dtype)
+  if array.edits is not None:
+    x = edited_entries(jax.tree.map(lambda e: e[rows], array.edits), x, local, array.column)
+  return row_probs(stats, x, local + array.column)
 
 
 def shifted(read: Reader, offset) -> Reader:

@@ -36,6 +36,11 @@ from specdec_jax._keys import entry_name
 from specdec_jax._keys import key_twin
 from specdec_jax._keys import key_uniforms
 from specdec_jax._keys import one_source
+from specdec_jax._logprobs import check_logprobs
+from specdec_jax._logprobs import finish_emitted
+from specdec_jax._logprobs import path_rows
+from specdec_jax._params import check_bitmask
+from specdec_jax._rows import masked_rows
 from specdec_jax._tree_walk import tree_walk
 
 LAWS = ("iid", "without_replacement", "deterministic")
@@ -68,6 +73,12 @@ class TreeVerifyResult(NamedTuple):
       excluded), then ``-1``. ``path[i]`` is the node whose token is ``tokens[i]``;
       the extra token was sampled at node ``path[num_accepted - 1]`` (the root if
       ``num_accepted == 0``).
+    logprobs: float32 ``(S,)`` with ``logprobs=k`` (else None): each emitted token's
+      log-probability under the target's processed distribution at its position (the
+      replacement's too; ``logprobs_mode="raw"``: the raw logits' softmax); NaN in unused slots
+      and for a caller's bonus token.
+    top_ids, top_logprobs: ``(S, k)`` with ``logprobs=k > 0``: the ``k`` most likely tokens of
+      each emitted token's distribution and their logprobs (ties toward the lower id).
   """
 
   tokens: jax.Array
@@ -77,6 +88,9 @@ class TreeVerifyResult(NamedTuple):
   valid: jax.Array
   error: jax.Array
   path: jax.Array
+  logprobs: jax.Array | None = None
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
 
 
 def check_tree(p, q, parents, tokens, uniforms, law, max_depth, name,
@@ -117,12 +131,15 @@ TREE_ARRAYS = {"key": KEY, "p": FLOAT, "q": FLOAT, "parents": INT, "tokens": INT
 
 
 @public_jit(arrays=TREE_ARRAYS,
-            static_argnames=("law", "pad_id", "max_depth", "uniform_layout"))
+            static_argnames=("law", "pad_id", "max_depth", "uniform_layout", "logprobs",
+                             "logprobs_mode"))
 def tree_verify(p: ArrayLike, q: ArrayLike | None, parents: ArrayLike, tokens: ArrayLike,
                 uniforms: ArrayLike | None = None, *, key: ArrayLike | None = None,
                 num_nodes: ArrayLike | None = None, law: str = "iid", pad_id: int = -1,
                 max_depth: int | None = None,
-                uniform_layout: str = "sequential") -> TreeVerifyResult:
+                uniform_layout: str = "sequential", target_bitmask: ArrayLike | None = None,
+                draft_bitmask: ArrayLike | None = None, logprobs: int | None = None,
+                logprobs_mode: str = "processed") -> TreeVerifyResult:
   """Exact draft-tree verification by recursive rejection sampling (jitted).
 
   Node 0 is the root (the current context, no token); node ``c`` in ``1 .. N - 1``
@@ -204,6 +221,14 @@ def tree_verify(p: ArrayLike, q: ArrayLike | None, parents: ArrayLike, tokens: A
       final sample), ``"per_node"`` (slot ``c`` is child ``c``'s test, slot 0 the final
       sample) or ``"per_parent"`` (slot ``u`` for the tests among ``u``'s children, rescaled,
       and the final sample at the last node).
+    target_bitmask: optional grammar words ``(N, ceil(V / 32))``: each target row is masked
+      (token ``32 j + i`` allowed iff bit ``i`` of word ``j``) and renormalised; a row that
+      allows nothing emits nothing (``ErrorCode.NO_ALLOWED_TOKEN``).
+    draft_bitmask: optional ``(N, ceil(V / 32))``, the draft rows' masks, the same way.
+    logprobs: static None, or ``k`` in ``[0, 64]``: the result's ``logprobs`` (each emitted
+      token's log-probability under its parent node's (masked) target row) and, for ``k >
+      0``, ``top_ids`` / ``top_logprobs`` (the rows' ``k`` most likely tokens).
+    logprobs_mode: static, ``"processed"`` or ``"raw"``: the same for probabilities.
 
   Returns:
     :class:`TreeVerifyResult` with ``tokens`` and ``path`` of shape ``(max_depth + 1,)``.
@@ -233,8 +258,14 @@ def tree_verify(p: ArrayLike, q: ArrayLike | None, parents: ArrayLike, tokens: A
   one_source(name, key, uniforms)
   if key is not None:
     uniforms = key_uniforms(name, key, size, compute_dtype(p.dtype, q.dtype))
-  return tree_rows(p, q, parents, tokens, uniforms, num_nodes, law=law, pad_id=pad_id,
-                   max_depth=max_depth, uniform_layout=uniform_layout, vocab=vocab)
+  p = masked_rows(p, check_bitmask(name, "target_bitmask", target_bitmask, size, vocab))
+  if q is not None:
+    q = masked_rows(q, check_bitmask(name, "draft_bitmask", draft_bitmask, size, vocab))
+  result = tree_rows(p, q, parents, tokens, uniforms, num_nodes, law=law, pad_id=pad_id,
+                     max_depth=max_depth, uniform_layout=uniform_layout, vocab=vocab)
+  return finish_emitted(result, p, path_rows(result.path), pad_id=pad_id,
+                        k=check_logprobs(name, logprobs, logprobs_mode, vocab),
+                        mode=logprobs_mode)
 
 
 def tree_rows(p, q, parents, tokens, uniforms, num_nodes, *, law: str, pad_id: int,

@@ -25,11 +25,15 @@ from specdec_jax._keys import entry_name
 from specdec_jax._keys import key_twin
 from specdec_jax._keys import key_uniforms
 from specdec_jax._keys import one_source
+from specdec_jax._logprobs import check_logprobs
+from specdec_jax._logprobs import finish_emitted
+from specdec_jax._params import check_bitmask
 from specdec_jax._residual import RowStats
 from specdec_jax._residual import clean_masses
 from specdec_jax._residual import residual_pass
 from specdec_jax._residual import weights
 from specdec_jax._rows import first_column
+from specdec_jax._rows import masked_rows
 from specdec_jax._rows import reader
 from specdec_jax._rows import sequence_rows
 from specdec_jax._rule import accepts
@@ -162,10 +166,12 @@ def chain_randomness(name: str, key, uniforms, gamma: int, dtype):
   return uniforms if key is None else key_uniforms(name, key, gamma + 1, dtype)
 
 
-@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id",))
+@public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id", "logprobs", "logprobs_mode"))
 def verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike, uniforms: ArrayLike | None = None,
            *, key: ArrayLike | None = None, num_draft: ArrayLike | None = None,
-           pad_id: int = -1) -> VerifyResult:
+           pad_id: int = -1, target_bitmask: ArrayLike | None = None,
+           draft_bitmask: ArrayLike | None = None, logprobs: int | None = None,
+           logprobs_mode: str = "processed") -> VerifyResult:
   """Exact speculative-sampling verification of one draft sequence (pure, jitted).
 
   For ``i = 0 .. gamma - 1`` with ``x = draft[i]``: accept ``x`` if
@@ -206,6 +212,14 @@ def verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike, uniforms: ArrayL
       Out-of-range values are clipped and flagged with ``ErrorCode.BAD_NUM_DRAFT``.
       ``None`` (default) means ``gamma``.
     pad_id: static int written into the unused slots of ``tokens``.
+    target_bitmask: optional grammar words ``(gamma + 1, ceil(V / 32))``: each target row is
+      masked (token ``32 j + i`` allowed iff bit ``i`` of word ``j``) and renormalised; a row
+      that allows nothing emits nothing (``ErrorCode.NO_ALLOWED_TOKEN``).
+    draft_bitmask: optional ``(gamma, ceil(V / 32))``, the draft rows' masks, the same way.
+    logprobs: static None, or ``k`` in ``[0, 64]``: the result's ``logprobs`` (each emitted
+      token's log-probability under its (masked) target row) and, for ``k > 0``,
+      ``top_ids`` / ``top_logprobs`` (the rows' ``k`` most likely tokens, ties to the lower id).
+    logprobs_mode: static, ``"processed"`` or ``"raw"``: the same for probabilities.
 
   Returns:
     :class:`VerifyResult` with ``tokens`` of shape ``(gamma + 1,)``.
@@ -232,7 +246,13 @@ def verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike, uniforms: ArrayL
   check_scalar(name, "num_draft", num_draft, INT)
   dtype = compute_dtype(p.dtype, (p if q is None else q).dtype)
   uniforms = chain_randomness(name, key, uniforms, gamma, dtype)
-  return verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
+  p = masked_rows(p, check_bitmask(name, "target_bitmask", target_bitmask, gamma + 1, vocab))
+  if q is not None:
+    q = masked_rows(q, check_bitmask(name, "draft_bitmask", draft_bitmask, gamma, vocab))
+  result = verify_rows(p, q, draft, uniforms, num_draft, pad_id=pad_id, vocab=vocab)
+  return finish_emitted(result, p, jnp.arange(gamma + 1, dtype=jnp.int32), pad_id=pad_id,
+                        k=check_logprobs(name, logprobs, logprobs_mode, vocab),
+                        mode=logprobs_mode)
 
 
 verify_with_key = key_twin(verify, """\

@@ -20,12 +20,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from specdec_jax._adjust import needs_edits
 from specdec_jax._chain import VerifyResult
 from specdec_jax._checks import check_chain
 from specdec_jax._checks import check_pad_id
-from specdec_jax._checks import check_static_int
 from specdec_jax._checks import compute_dtype
-from specdec_jax._engine import check_convention
 from specdec_jax._from_logits import chain_from_logits
 from specdec_jax._from_logits import tree_from_logits
 from specdec_jax._keys import draw_uniforms
@@ -33,28 +32,68 @@ from specdec_jax._keys import one_source
 from specdec_jax._keys import uniforms_first
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
+from specdec_jax._logprobs import check_logprobs
+from specdec_jax._logprobs import finish_emitted
+from specdec_jax._logprobs import path_rows
+from specdec_jax._logprobs import result_specs
 from specdec_jax._mesh import Built
 from specdec_jax._mesh import batch_counts
 from specdec_jax._mesh import batch_size
 from specdec_jax._mesh import check_divisible
 from specdec_jax._mesh import check_inputs
 from specdec_jax._mesh import check_mesh
+from specdec_jax._mesh import check_word_aligned
 from specdec_jax._mesh import host_arrays
 from specdec_jax._mesh import over_vocab
 from specdec_jax._mesh import per_request
-from specdec_jax._packed import PackedVerifyResult
-from specdec_jax._packed import packed_call
-from specdec_jax._packed_tree import PackedTreeVerifyResult
-from specdec_jax._packed_tree import packed_tree_call
+from specdec_jax._params import check_history
+from specdec_jax._rows import masked_rows
 from specdec_jax._rules import CHAIN_RULES
 from specdec_jax._rules import TREE_RULE
 from specdec_jax._tree import TreeVerifyResult
 from specdec_jax._tree import check_tree
 
 
+def _adjusting(name, a, logits, batch, vocab) -> dict:
+  """The host-checked ``history`` and bitmasks of a vocab-parallel call from logits."""
+  masks = dict(target_bitmask=a.get("target_bitmask"), draft_bitmask=a.get("draft_bitmask"))
+  if not logits:
+    return masks
+  return dict(history=check_history(name, a.get("history"), vocab, batch), **masks)
+
+
+def _batch_history(history, batch: int):
+  """A history with a leading ``B`` (shared fields broadcast)."""
+  return type(history)(*(None if h is None else (
+    jnp.asarray(h) if jnp.ndim(h) == 2 else jnp.broadcast_to(jnp.asarray(h), (batch,
+                                                                              *jnp.shape(h))))
+    for h in history))
+
+
+def _masks(name, target_bitmask, draft_bitmask, target_rows, draft_rows, vocab, shards,
+           vocab_axis, params, history) -> dict:
+  """The bitmasks ``(B, rows, W)`` checked, and whole words per device where anything adjusts
+  the rows."""
+  words = -(-vocab // 32)
+  out = {}
+  for arg, mask, rows in (("target_bitmask", target_bitmask, target_rows),
+                          ("draft_bitmask", draft_bitmask, draft_rows)):
+    if mask is not None:
+      mask = jnp.asarray(mask)
+      if mask.dtype not in (jnp.int32, jnp.uint32) or mask.shape != (*rows, words):
+        raise ValueError(f"{name}: `{arg}` must be int32 words of shape {(*rows, words)}, got "
+                         f"{mask.dtype}{tuple(mask.shape)} instead.")
+    out[arg] = mask
+  if any(m is not None for m in out.values()) or (
+      params is not None and needs_edits(params, None)) or history is not None:
+    check_word_aligned(name, vocab, shards, vocab_axis)
+  return out
+
+
 def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = None, *,
-                          rule: str = "token", inputs: str = "probs",
-                          pad_id: int = -1) -> Callable[..., VerifyResult]:
+                          rule: str = "token", inputs: str = "probs", pad_id: int = -1,
+                          logprobs: int | None = None,
+                          logprobs_mode: str = "processed") -> Callable[..., VerifyResult]:
   """Build a jitted, batched :func:`~specdec_jax.verify` (or block) on vocab-split rows.
 
   Per sequence only O(n) scalars cross devices: the ``2 * gamma`` gathered probabilities of
@@ -76,6 +115,8 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
     inputs: ``"probs"`` (processed probabilities) or ``"logits"`` (processed per request with
       ``params``, on the shards).
     pad_id: int written into unused token slots.
+    logprobs, logprobs_mode: static, as in :func:`~specdec_jax.packed_verify` (the result's
+      ``logprobs`` and, for ``logprobs > 0``, ``top_ids`` / ``top_logprobs``).
 
   Returns:
     ``inputs="probs"``: ``fn(p, q, draft, uniforms=None, num_draft=None, *, key=None)`` with
@@ -104,11 +145,13 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
   check_inputs(name, inputs)
   if rule not in CHAIN_RULES:
     raise ValueError(f"{name}: `rule` must be one of {tuple(CHAIN_RULES)}, got {rule!r}.")
-  batched = ("draft", "uniforms", "num_draft", "params")
-  out = VerifyResult(*(P(batch_axis),) * 6)
+  batched = ("draft", "uniforms", "num_draft", "params", "history")
+  logprobs = check_logprobs(name, logprobs, logprobs_mode, None)
+  out = VerifyResult(*(P(batch_axis),) * 6, *result_specs(logprobs, P(batch_axis)))
 
   @functools.partial(jax.jit, static_argnames=("logits",))
-  def run(p, q, draft, uniforms, num_draft, key, params, *, logits):
+  def run(p, q, draft, uniforms, num_draft, key, params, history=None, target_bitmask=None,
+          draft_bitmask=None, *, logits):
     batch = batch_size(name, (("p", p, 3), ("q", q, 3), ("draft", draft, 2),
                             ("uniforms", uniforms, 2)))
     one = [None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
@@ -119,21 +162,34 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
     if uniforms is None:
       dtype = compute_dtype(p.dtype, (p if q is None else q).dtype)
       uniforms = draw_uniforms(name, key, batch, gamma + 1, dtype)
+    masks = _masks(name, target_bitmask, draft_bitmask, (batch, gamma + 1), (batch, gamma),
+                   vocab, shards, vocab_axis, params, history)
     named = dict(p=p, q=q, draft=jnp.asarray(draft), uniforms=uniforms,
                  num_draft=batch_counts(name, "num_draft", num_draft, batch, gamma),
-                 params=None if params is None else per_request(params, batch))
+                 params=None if params is None else per_request(params, batch),
+                 history=None if history is None else _batch_history(history, batch), **masks)
 
     def body(named, axis_name):
-      def one(p, q, draft, uniforms, num_draft, params):
+      def one(p, q, draft, uniforms, num_draft, params, history, target_mask, draft_mask):
         if params is None:
-          return CHAIN_RULES[rule](p, q, draft, uniforms, num_draft, pad_id=pad_id,
-                                   vocab=vocab, axis_name=axis_name)
+          p = masked_rows(p, target_mask, axis_name)
+          q = None if q is None else masked_rows(q, draft_mask, axis_name)
+          result = CHAIN_RULES[rule](p, q, draft, uniforms, num_draft, pad_id=pad_id,
+                                     vocab=vocab, axis_name=axis_name)
+          return finish_emitted(result, p, jnp.arange(draft.shape[0] + 1, dtype=jnp.int32),
+                                pad_id=pad_id, k=logprobs, mode=logprobs_mode,
+                                axis_name=axis_name)
         return chain_from_logits(p, q, draft, uniforms, params, num_draft, rule=rule,
-                                 pad_id=pad_id, vocab=vocab, axis_name=axis_name)
-      return jax.vmap(one)(named["p"], named["q"], named["draft"], named["uniforms"],
-                           named["num_draft"], named["params"])
+                                 pad_id=pad_id, vocab=vocab, axis_name=axis_name,
+                                 history=history, target_bitmask=target_mask,
+                                 draft_bitmask=draft_mask, logprobs=logprobs,
+                                 logprobs_mode=logprobs_mode)
+      return jax.vmap(one)(*(named[k] for k in ("p", "q", "draft", "uniforms", "num_draft",
+                                                 "params", "history", "target_bitmask",
+                                                 "draft_bitmask")))
 
-    return over_vocab(body, mesh, vocab_axis, named, rows=("p", "q"), out_specs=out,
+    return over_vocab(body, mesh, vocab_axis, named,
+                      rows=("p", "q", "target_bitmask", "draft_bitmask"), out_specs=out,
                       batch_axis=batch_axis, batched=batched)
 
   def impl(a: dict, lower: bool):
@@ -150,12 +206,17 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
       name, h["key"], h["uniforms"], draft.shape[0] if jnp.ndim(draft) == 2 else None,
       jnp.shape(draft)[-1] + 1, [x.dtype for x in (h["p"], h["q"]) if x is not None])
     target = run.lower if lower else run
-    return target(h["p"], h["q"], draft, uniforms, h["num_draft"], key, params, logits=logits)
+    extra = _adjusting(name, a, logits, jnp.shape(h["draft"])[0],
+                       None if h["p"] is None else h["p"].shape[-1])
+    return target(h["p"], h["q"], draft, uniforms, h["num_draft"], key, params, **extra,
+                  logits=logits)
 
-  def probs(p, q, draft, uniforms=None, num_draft=None, *, key=None) -> VerifyResult: ...
+  def probs(p, q, draft, uniforms=None, num_draft=None, *, key=None, target_bitmask=None,
+            draft_bitmask=None) -> VerifyResult: ...
 
   def from_logits(target_logits, draft_logits, draft, uniforms=None, params=None,
-                  num_draft=None, *, key=None) -> VerifyResult: ...
+                  num_draft=None, *, key=None, history=None, target_bitmask=None,
+                  draft_bitmask=None) -> VerifyResult: ...
 
   return Built(impl, probs if inputs == "probs" else from_logits, name,
                vocab_parallel_verify.__doc__)
@@ -163,6 +224,7 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
 
 def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = None, *,
                                law: str = "iid", inputs: str = "probs", pad_id: int = -1,
+                               logprobs: int | None = None, logprobs_mode: str = "processed",
                                max_depth: int | None = None,
                                uniform_layout: str = "sequential",
                                ) -> Callable[..., TreeVerifyResult]:
@@ -206,11 +268,13 @@ def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | No
   shards = check_mesh(name, mesh, vocab_axis, batch_axis)
   pad_id = check_pad_id(name, pad_id)
   check_inputs(name, inputs)
-  batched = ("parents", "tokens", "uniforms", "num_nodes", "params")
-  out = TreeVerifyResult(*(P(batch_axis),) * 7)
+  batched = ("parents", "tokens", "uniforms", "num_nodes", "params", "history")
+  logprobs = check_logprobs(name, logprobs, logprobs_mode, None)
+  out = TreeVerifyResult(*(P(batch_axis),) * 7, *result_specs(logprobs, P(batch_axis)))
 
   @functools.partial(jax.jit, static_argnames=("logits",))
-  def run(p, q, parents, tokens, uniforms, num_nodes, key, params, *, logits):
+  def run(p, q, parents, tokens, uniforms, num_nodes, key, params, history=None,
+          target_bitmask=None, draft_bitmask=None, *, logits):
     q = None if law == "deterministic" else q
     batch = batch_size(name, (("p", p, 3), ("q", q, 3), ("tokens", tokens, 2),
                             ("uniforms", uniforms, 2)))
@@ -227,21 +291,33 @@ def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | No
     named = dict(p=p, q=q, parents=jnp.clip(parents, -1, 2**31 - 1).astype(jnp.int32),
                  tokens=jnp.clip(tokens, -1, 2**31 - 1).astype(jnp.int32), uniforms=uniforms,
                  num_nodes=batch_counts(name, "num_nodes", num_nodes, batch, size),
-                 params=None if params is None else per_request(params, batch))
+                 params=None if params is None else per_request(params, batch),
+                 history=None if history is None else _batch_history(history, batch),
+                 **_masks(name, target_bitmask, draft_bitmask, (batch, size), (batch, size),
+                          vocab, shards, vocab_axis, params, history))
     static = dict(law=law, pad_id=pad_id, max_depth=depth, uniform_layout=uniform_layout,
                   vocab=vocab)
 
     def body(named, axis_name):
-      def one(p, q, parents, tokens, uniforms, num_nodes, params):
+      def one(p, q, parents, tokens, uniforms, num_nodes, params, history, target_mask,
+              draft_mask):
         if params is None:
-          return TREE_RULE(p, q, parents, tokens, uniforms, num_nodes, axis_name=axis_name,
-                           **static)
+          p = masked_rows(p, target_mask, axis_name)
+          q = None if q is None else masked_rows(q, draft_mask, axis_name)
+          result = TREE_RULE(p, q, parents, tokens, uniforms, num_nodes, axis_name=axis_name,
+                             **static)
+          return finish_emitted(result, p, path_rows(result.path), pad_id=pad_id, k=logprobs,
+                                mode=logprobs_mode, axis_name=axis_name)
         return tree_from_logits(p, q, parents, tokens, uniforms, params, num_nodes,
-                                axis_name=axis_name, **static)
+                                axis_name=axis_name, history=history,
+                                target_bitmask=target_mask, draft_bitmask=draft_mask,
+                                logprobs=logprobs, logprobs_mode=logprobs_mode, **static)
       return jax.vmap(one)(*(named[k] for k in ("p", "q", "parents", "tokens", "uniforms",
-                                                 "num_nodes", "params")))
+                                                 "num_nodes", "params", "history",
+                                                 "target_bitmask", "draft_bitmask")))
 
-    return over_vocab(body, mesh, vocab_axis, named, rows=("p", "q"), out_specs=out,
+    return over_vocab(body, mesh, vocab_axis, named,
+                      rows=("p", "q", "target_bitmask", "draft_bitmask"), out_specs=out,
                       batch_axis=batch_axis, batched=batched)
 
   def impl(a: dict, lower: bool):
@@ -259,126 +335,17 @@ def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | No
       name, h["key"], h["uniforms"], tokens.shape[0] if jnp.ndim(tokens) == 2 else None,
       jnp.shape(tokens)[-1], [x.dtype for x in (h["p"], q) if x is not None])
     target = run.lower if lower else run
+    extra = _adjusting(name, a, logits, jnp.shape(tokens)[0],
+                       None if h["p"] is None else h["p"].shape[-1])
     return target(h["p"], h["q"], h["parents"], tokens, uniforms, h["num_nodes"], key, params,
-                  logits=logits)
+                  **extra, logits=logits)
 
-  def probs(p, q, parents, tokens, uniforms=None, num_nodes=None, *,
-            key=None) -> TreeVerifyResult: ...
+  def probs(p, q, parents, tokens, uniforms=None, num_nodes=None, *, key=None,
+            target_bitmask=None, draft_bitmask=None) -> TreeVerifyResult: ...
 
   def from_logits(target_logits, draft_logits, parents, tokens, uniforms=None, params=None,
-                  num_nodes=None, *, key=None) -> TreeVerifyResult: ...
+                  num_nodes=None, *, key=None, history=None, target_bitmask=None,
+                  draft_bitmask=None) -> TreeVerifyResult: ...
 
   return Built(impl, probs if inputs == "probs" else from_logits, name,
                vocab_parallel_tree_verify.__doc__)
-
-
-def vocab_parallel_packed_verify(mesh: Mesh, vocab_axis: str, *, max_spec_len: int,
-                                 bonus_rows: bool | None = None, rule: str = "token",
-                                 convention: str = "specdec",
-                                 pad_id: int = -1) -> Callable[..., PackedVerifyResult]:
-  """Build :func:`~specdec_jax.packed_verify` on vocab-split packed rows (the same call).
-
-  The packed target (and draft) rows hold ``V / n`` columns per device, as a tensor-parallel
-  LM head leaves them, as probabilities or logits with per-request
-  :class:`~specdec_jax.SamplingParams` (processed on the shards: greedy rows, temperature,
-  top-k, top-p); every request reads its gathered scalars and stop row in place, exactly as
-  :func:`vocab_parallel_verify` does for padded rows, so per request O(n) scalars cross
-  devices and nothing of size ``V``.
-
-  Multi-host: see the README, "Running on many devices and hosts".
-
-  Args:
-    mesh, vocab_axis, pad_id: as in :func:`vocab_parallel_verify`.
-    max_spec_len, bonus_rows, rule, convention: static, as in
-      :func:`~specdec_jax.packed_verify`.
-
-  Returns:
-    ``fn(draft_token_ids, num_draft_tokens, *, target_probs=None, target_logits=None,
-    draft_probs=None, draft_logits=None, bonus_token_ids=None, params=None, key=None,
-    uniforms=None) -> PackedVerifyResult``: the keyword arguments of
-    :func:`~specdec_jax.packed_verify`, with the same meaning.
-
-  Example:
-    >>> import jax, numpy as np
-    >>> fn = vocab_parallel_packed_verify(jax.make_mesh((1,), ("model",)), "model",
-    ...                                   max_spec_len=1)
-    >>> p = np.array([[0.0, 1.0], [1.0, 0.0]], np.float32)   # one request: a draft row, a bonus row
-    >>> fn(np.array([1]), np.array([1]), target_probs=p,
-    ...    uniforms=np.array([[0.5, 0.5]], np.float32)).tokens.tolist()
-    [[1, 0]]
-
-  Reference:
-    Shoeybi et al., "Megatron-LM", arXiv:1909.08053; the packed layouts of vLLM V1 and
-    vllm-project/tpu-inference.
-  """
-  name = "vocab_parallel_packed_verify"
-  check_mesh(name, mesh, vocab_axis)
-  pad_id = check_pad_id(name, pad_id)
-  check_convention(name, convention)
-  max_spec_len = check_static_int(name, "max_spec_len", max_spec_len, 0)
-
-  def impl(a: dict, lower: bool):
-    return packed_call(name, mesh, vocab_axis, **a, max_spec_len=max_spec_len,
-                       bonus_rows=bonus_rows, rule=rule, convention=convention, pad_id=pad_id,
-                       lower=lower)
-
-  def fn(draft_token_ids, num_draft_tokens, *, target_probs=None, target_logits=None,
-         draft_probs=None, draft_logits=None, bonus_token_ids=None, params=None, key=None,
-         uniforms=None) -> PackedVerifyResult: ...
-
-  return Built(impl, fn, name, vocab_parallel_packed_verify.__doc__)
-
-
-def vocab_parallel_packed_tree_verify(mesh: Mesh, vocab_axis: str, *, max_depth: int,
-                                      law: str = "deterministic",
-                                      uniform_layout: str = "per_parent",
-                                      convention: str = "specdec",
-                                      pad_id: int = -1) -> Callable[..., PackedTreeVerifyResult]:
-  """Build :func:`~specdec_jax.packed_tree_verify` on vocab-split rows (the same call).
-
-  sglang-jax's tree encoding with target (and draft) rows ``(B * N, V)`` split over
-  ``vocab_axis``, as probabilities or logits with per-request parameters; the walk runs
-  replicated and only scalars cross devices (as :func:`vocab_parallel_tree_verify`).
-
-  Multi-host: see the README, "Running on many devices and hosts".
-
-  Args:
-    mesh, vocab_axis, pad_id: as in :func:`vocab_parallel_verify`.
-    max_depth, law, uniform_layout, convention: static, as in
-      :func:`~specdec_jax.packed_tree_verify`.
-
-  Returns:
-    ``fn(candidates, retrive_next_token, retrive_next_sibling, *, target_probs=None,
-    target_logits=None, draft_probs=None, draft_logits=None, params=None, key=None,
-    uniforms=None, coins=None, final_coins=None) -> PackedTreeVerifyResult``, as
-    :func:`~specdec_jax.packed_tree_verify`.
-
-  Example:
-    >>> import jax, numpy as np
-    >>> fn = vocab_parallel_packed_tree_verify(jax.make_mesh((1,), ("model",)), "model",
-    ...                                        max_depth=1)
-    >>> p = np.array([[0.1, 0.6, 0.3], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]], np.float32)
-    >>> r = fn(np.array([[0, 2, 1]]), np.array([[1, -1, -1]]), np.array([[-1, 2, -1]]),
-    ...        target_probs=p, uniforms=np.array([[0.5, 0.0, 0.9]], np.float32))
-    >>> r.tokens.tolist()
-    [[1, 2]]
-
-  Reference:
-    Miao et al., "SpecInfer", arXiv:2305.09781; sgl-project/sglang-jax (the encoding).
-  """
-  name = "vocab_parallel_packed_tree_verify"
-  check_mesh(name, mesh, vocab_axis)
-  pad_id = check_pad_id(name, pad_id)
-  check_convention(name, convention)
-  max_depth = check_static_int(name, "max_depth", max_depth, 0)
-
-  def impl(a: dict, lower: bool):
-    return packed_tree_call(name, mesh, vocab_axis, **a, max_depth=max_depth, law=law,
-                            uniform_layout=uniform_layout, convention=convention, pad_id=pad_id,
-                            lower=lower)
-
-  def fn(candidates, retrive_next_token, retrive_next_sibling, *, target_probs=None,
-         target_logits=None, draft_probs=None, draft_logits=None, params=None, key=None,
-         uniforms=None, coins=None, final_coins=None) -> PackedTreeVerifyResult: ...
-
-  return Built(impl, fn, name, vocab_parallel_packed_tree_verify.__doc__)

@@ -25,6 +25,7 @@ import numpy as np
 
 __all__ = [
   "acceptance_probability",
+  "adjust_logits",
   "block_output_distribution",
   "block_speculative_step",
   "output_distribution",
@@ -50,28 +51,87 @@ def sample(probs, rng) -> int:
   return int(np.nonzero(probs > 0)[0][-1])
 
 
+def adjust_logits(logits, *, allowed_token_ids=None, bitmask=None, bad_words=None,
+                  min_tokens=None, stop_token_ids=(), logit_bias=None, repetition_penalty=None,
+                  frequency_penalty=None, presence_penalty=None, prompt_ids=(),
+                  output_ids=()) -> np.ndarray:
+  """A request's adjustments before the temperature, in float64, in vLLM's order.
+
+  1. ``allowed_token_ids``: every other token ``-inf``; ``bitmask``: a grammar's int32 words
+     (token ``32 j + i`` allowed iff bit ``i`` of word ``j``), the others ``-inf``.
+  2. ``bad_words`` (lists of ids): a word's last token ``-inf`` when its other tokens are the
+     last ones of ``output_ids`` (a one-token word: always).
+  3. ``min_tokens``: ``stop_token_ids`` ``-inf`` while ``len(output_ids) < min_tokens``.
+  4. ``logit_bias`` (``{id: bias}``): added.
+  5. ``repetition_penalty`` on tokens of the prompt or the output (divide a positive logit,
+     multiply a negative one), then ``frequency_penalty`` times each token's count in the
+     output, then ``presence_penalty`` once per token of the output, subtracted.
+
+  Example:
+    >>> adjust_logits([1.0, 2.0, -1.0], repetition_penalty=2.0, output_ids=[1, 2]).tolist()
+    [1.0, 1.0, -2.0]
+  """
+  x = np.asarray(logits, dtype=np.float64).copy()
+  vocab = len(x)
+  output = [int(t) for t in output_ids if t >= 0]
+  prompt = [int(t) for t in prompt_ids if t >= 0]
+  if allowed_token_ids is not None:
+    keep = np.zeros(vocab, bool)
+    keep[[int(t) for t in allowed_token_ids if 0 <= t < vocab]] = True
+    x[~keep] = -np.inf
+  if bitmask is not None:
+    words = np.asarray(bitmask).astype(np.uint32)
+    allowed = np.array([(int(words[t // 32]) >> (t % 32)) & 1 for t in range(vocab)], bool)
+    x[~allowed] = -np.inf
+  for word in bad_words or ():
+    word = [int(t) for t in word if t >= 0]
+    if word and len(word) - 1 <= len(output) and (
+        len(word) == 1 or output[len(output) - (len(word) - 1):] == word[:-1]):
+      x[word[-1]] = -np.inf
+  if min_tokens is not None and len(output) < min_tokens:
+    x[[int(t) for t in stop_token_ids if 0 <= t < vocab]] = -np.inf
+  for token, bias in (logit_bias or {}).items():
+    x[int(token)] += bias
+  counts = np.bincount(np.asarray(output, np.int64), minlength=vocab)[:vocab]
+  if repetition_penalty is not None:
+    seen = counts > 0
+    seen[[t for t in prompt if t < vocab]] = True
+    x = np.where(seen, np.where(x > 0, x / repetition_penalty, x * repetition_penalty), x)
+  if frequency_penalty is not None:
+    x = x - frequency_penalty * counts
+  if presence_penalty is not None:
+    x = x - presence_penalty * (counts > 0)
+  return x
+
+
 def process_logits(logits, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None) -> np.ndarray:
+                   top_p: float | None = None, min_p: float | None = None, *,
+                   min_p_last: bool = False, **adjustments) -> np.ndarray:
   """The processed distribution of one logit row, in float64: the one definition the library
   follows (:func:`specdec_jax.process_logits`, the lazy verifiers, ``sample_draft``).
 
+  0. ``adjustments`` (the keyword arguments of :func:`adjust_logits`): masks, bans, bias and
+     penalties, before everything else.
   1. A row with a NaN or ``+inf`` logit, or without a finite one, is broken: all NaN.
   2. ``temperature`` not ``> 0``: a point mass on the first largest logit.
-  3. Order the tokens by raw logit, descending, ties toward the lower id (``-inf`` last).
-     ``top_k > 0`` keeps the first ``top_k`` of that order.
-  4. ``z = (x - max x) / temperature`` on the finite logits, ``-inf`` elsewhere; over what
-     top-k kept, ``softmax(z)``; ``top_p < 1`` keeps each token whose preceding mass in that
-     order is ``< top_p`` (the first always).
-  5. ``softmax(z)`` over the kept tokens.
+  3. Order the tokens by logit, descending, ties toward the lower id (``-inf`` last).
+  4. ``z = (x - max x) / temperature`` on the finite logits, ``-inf`` elsewhere; ``min_p > 0``
+     keeps ``z >= log(min_p)`` (a probability at least ``min_p`` times the largest).
+  5. ``top_k > 0`` keeps the first ``top_k`` of the order that ``min_p`` kept.
+  6. Over what survived, ``softmax(z)``; ``top_p < 1`` keeps each token whose preceding mass
+     in the order is ``< top_p`` (the first always).
+  7. ``softmax(z)`` over the kept tokens.
 
-  The kept set is a prefix of the raw-logit order: two logits a temperature rounds to one
-  value stay in that order, and ``temperature = inf`` is the uniform law over the kept tokens.
+  The kept set is a prefix of the logit order: two logits a temperature rounds to one value
+  stay in that order, and ``temperature = inf`` is the uniform law over the kept tokens.
+  ``min_p_last``: ``min_p`` after top-k and top-p instead (sglang-jax's order; the verifiers'
+  ``convention="sglang"``).
 
   Example:
     >>> process_logits([0.0, 1.0, 1.0, 2.0], 1.0, top_k=2).round(3).tolist()
     [0.0, 0.269, 0.0, 0.731]
   """
-  x = np.asarray(logits, dtype=np.float64)
+  x = adjust_logits(logits, **adjustments) if adjustments else np.asarray(logits, np.float64)
   vocab = len(x)
   finite = np.isfinite(x)
   if np.isnan(x).any() or (x == np.inf).any() or not finite.any():
@@ -79,17 +139,25 @@ def process_logits(logits, temperature: float = 1.0, top_k: int | None = None,
   if not temperature > 0:
     return np.eye(vocab)[int(np.argmax(x))]
   order = np.lexsort((np.arange(vocab), -np.where(finite, x, -np.inf)))
-  keep = np.ones(vocab, bool)
-  if top_k is not None and 0 < top_k < vocab:
-    keep[order[top_k:]] = False
+  keep = finite.copy()
   with np.errstate(invalid="ignore"):
-    z = np.where(finite & keep, (x - x[finite].max()) / temperature, -np.inf)
+    z = np.where(finite, (x - x[finite].max()) / temperature, -np.inf)
+  minp = np.ones(vocab, bool) if min_p is None or min_p <= 0 else z >= np.log(min_p)
+  if not min_p_last:
+    keep &= minp
+  if top_k is not None and top_k > 0:
+    ranked = order[keep[order]]
+    keep[ranked[top_k:]] = False
+  z = np.where(keep, z, -np.inf)
   probs = np.exp(z - z.max())
   probs /= probs.sum()
   if top_p is not None and top_p < 1:
     before = np.cumsum(probs[order]) - probs[order]
     drop = order[(before >= top_p) & (np.arange(vocab) > 0)]
     probs[drop] = 0.0
+    probs /= probs.sum()
+  if min_p_last:
+    probs = np.where(minp, probs, 0.0)
     probs /= probs.sum()
   return probs
 

@@ -318,7 +318,7 @@ def test_jit_vmap_and_nested_vmap_agree_with_single_calls():
   flat = jax.jit(jax.vmap(block_verify))(p, q, d, u)
   nested = jax.vmap(jax.vmap(block_verify))(*(x.reshape(3, 4, *x.shape[1:]) for x in (p, q, d, u)))
   singles = [block_verify(p[b], q[b], d[b], u[b]) for b in range(12)]
-  for field in flat._fields:
+  for field in flat._fields[:6]:  # the logprobs fields are None here
     want = np.stack([np.asarray(getattr(s, field)) for s in singles])
     np.testing.assert_array_equal(np.asarray(getattr(flat, field)), want)
     np.testing.assert_array_equal(np.asarray(getattr(nested, field)).reshape(want.shape), want)

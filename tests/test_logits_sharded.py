@@ -272,7 +272,7 @@ def test_sharded_candidates_settle_lm_rows_without_bisecting():
   def garbage(*_args, **_kwargs):
     return jnp.float32(0), jnp.int32(0), jnp.float32(1)
 
-  with mock.patch.object(lazy, "_bisected_row", garbage):
+  with mock.patch.object(lazy, "bisected_row", garbage):
     sharded_stats.cache_clear()
     try:
       got = sharded_stats(8)(x, params)

@@ -50,9 +50,9 @@ def _case(seed: int = 0):
   rng = np.random.default_rng(seed)
   tl, dl = _logits(rng, (B, GAMMA + 1, V)), _logits(rng, (B, GAMMA, V))
   p = np.asarray(jax.vmap(lambda x, t, k, pp: sd.process_logits(x, sd.SamplingParams(t, k, pp)))(
-    tl, *PARAMS))
+    tl, *PARAMS[:3]))
   q = np.asarray(jax.vmap(lambda x, t, k, pp: sd.process_logits(x, sd.SamplingParams(t, k, pp)))(
-    dl, *PARAMS))
+    dl, *PARAMS[:3]))
   draft = np.stack([[rng.choice(V, p=q[b, i] / q[b, i].sum()) for i in range(GAMMA)]
                     for b in range(B)]).astype(np.int32)
   draft[1, 0] = np.argmax(p[1, 0])  # one certain acceptance
@@ -106,7 +106,7 @@ def test_single_sequence_cells(rule, logits):
         extra = {"uniforms": r} if source == "uniforms" else {"key": r}
         return sd.verify_logits(t, d, x, params=sd.SamplingParams(temp, k, pp), num_draft=n,
                                 rule=rule, **extra)
-      got = jax.vmap(call)(tl, dl, draft, rnd, n, *PARAMS)
+      got = jax.vmap(call)(tl, dl, draft, rnd, n, *PARAMS[:3])
     else:
       body = sd.verify if rule == "token" else sd.block_verify
 
@@ -194,7 +194,7 @@ def _tree_case():
   tl, dl = _logits(rng, (B, N, V)), _logits(rng, (B, N, V))
   process = jax.vmap(jax.vmap(lambda x, t, k, pp: sd.process_logits(
     x, sd.SamplingParams(t, k, pp)), in_axes=(0, None, None, None)))
-  p, q = np.asarray(process(tl, *PARAMS)), np.asarray(process(dl, *PARAMS))
+  p, q = np.asarray(process(tl, *PARAMS[:3])), np.asarray(process(dl, *PARAMS[:3]))
   tokens = np.stack([[rng.choice(V, p=q[b, max(PARENTS[c], 0)] / q[b, max(PARENTS[c], 0)].sum())
                       for c in range(N)] for b in range(B)]).astype(np.int32)
   first = np.full(N, -1, np.int32)
@@ -229,7 +229,7 @@ def test_single_tree_cells(logits):
       return sd.tree_verify(t, d, PARENTS, x, **extra)
 
     rows = (tl, dl) if logits else (p, q)
-    _same(jax.vmap(call)(*rows, tokens, rnd, *PARAMS), _tree_reference(u),
+    _same(jax.vmap(call)(*rows, tokens, rnd, *PARAMS[:3]), _tree_reference(u),
           ("tokens", "num_tokens", "num_accepted", "num_uniforms", "valid", "error", "path"))
 
 

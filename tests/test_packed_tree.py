@@ -101,7 +101,7 @@ def test_logits_with_per_request_params_and_greedy_rows():
                           np.array([0, 5, 0, 3, 2, 0, 0, 8], np.int32),
                           np.array([1, 0.9, 0.6, 1, 1, 0.8, 1, 1], np.float32))
   probs = np.asarray(jax.vmap(lambda x, t, k, p: process_logits(x, SamplingParams(t, k, p)))(
-    logits, *params))
+    logits, *params[:3]))
   want = jax.vmap(lambda p, par, t, u: tree_verify(p, p, par, t, u, law="deterministic",
                                                    uniform_layout="per_parent"))(
     probs, parents, tokens, coins)

