@@ -23,8 +23,9 @@ from specdec_jax import SamplingParams
 from specdec_jax import process_logits
 from specdec_jax import sample_index
 from specdec_jax import verify
+from specdec_jax._params import per_request
 from specdec_jax.decoding.chain_loop import verify_step
-from specdec_jax.decoding.common import processed
+from specdec_jax.decoding.request_rows import processed
 from specdec_jax.theory import expected_tokens_per_position
 
 #: :class:`specdec_jax.app.e2e.Setup` and :class:`~specdec_jax.app.e2e.Run` (e2e imports this
@@ -171,7 +172,7 @@ def cut_verification_ms(setup: Setup, prompt: str, gamma: int,
 
   out = {}
   for label, params in CUT_PARAMS.items():
-    rows = SamplingParams(*(None if v is None else jnp.asarray(v)[None] for v in params))
+    rows = per_request(params, 1)
     times = []
     for verifier in (function_verifier, verify):
       @jax.jit

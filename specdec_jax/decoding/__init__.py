@@ -36,11 +36,11 @@ from specdec_jax.decoding.drafts import FeatureDraft
 from specdec_jax.decoding.drafts import PromptLookup
 from specdec_jax.decoding.dynamic_tree import DynamicTree
 from specdec_jax.decoding.plain import generate
-from specdec_jax.decoding.tree import TREE_LAWS
 from specdec_jax.decoding.tree import DraftTree
 from specdec_jax.decoding.tree import tree_speculative_generate
 from specdec_jax.decoding.tree_plan import TreePlan
 from specdec_jax.decoding.tree_plan import plan_tree
+from specdec_jax.decoding.tree_verifier import TREE_LAWS
 from specdec_jax.decoding.types import DecodeStats
 from specdec_jax.decoding.types import GenerateResult
 from specdec_jax.decoding.types import SpeculativeResult

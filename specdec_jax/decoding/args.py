@@ -23,6 +23,8 @@ from specdec_jax._checks import host_array
 from specdec_jax._checks import is_concrete
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import check_params
+from specdec_jax._params import INT_FIELDS
+from specdec_jax._params import per_request
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.models.protocol import Model
 
@@ -123,10 +125,11 @@ def row_keys(key, batch: int, name: str) -> jax.Array:
   )
 
 
-def batch_params(params: SamplingParams, batch: int, name: str) -> SamplingParams:
-  """Check (:func:`~specdec_jax._logits.check_params`) and broadcast every field to ``(B,)``."""
-  params = check_params(params, name, batch)
-  dtypes = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32}
+def batch_params(params: SamplingParams, batch: int, name: str, *,
+                 vocab: int | None = None) -> SamplingParams:
+  """Check (:func:`~specdec_jax._logits.check_params`; token ids against ``vocab``) and give
+  every field a leading ``B`` (a list field: ``(B, L)``)."""
+  params = check_params(params, name, batch, vocab=vocab)
   fields = {}
   for field, value in zip(params._fields, params, strict=True):
     if value is None:
@@ -135,8 +138,9 @@ def batch_params(params: SamplingParams, batch: int, name: str) -> SamplingParam
     array = jnp.asarray(value)
     if field == "top_k":  # clip in its own dtype before the cast (no wrap-around)
       array = jnp.clip(array, -1, np.iinfo(np.int32).max)
-    fields[field] = jnp.broadcast_to(array.astype(dtypes[field]), (batch,))
-  return SamplingParams(**fields)
+    dtype = jnp.int32 if field in INT_FIELDS else jnp.float32
+    fields[field] = array.astype(dtype)
+  return per_request(SamplingParams(**fields), batch)
 
 
 def static_count(name: str, arg: str, value) -> int:

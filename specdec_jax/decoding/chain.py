@@ -14,6 +14,7 @@ import numpy as np
 from specdec_jax._block import block_verify
 from specdec_jax._checks import check_pad_id
 from specdec_jax._logits import SamplingParams
+from specdec_jax._logprobs import check_logprobs
 from specdec_jax._verify import verify
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
 from specdec_jax.decoding.adaptive import check_policy
@@ -53,7 +54,8 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
                          verifier: str | Verifier = "token",
                          pad_id: int = -1, adaptive: AdaptiveSpeculation | None = None,
                          on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                         chunk_iterations: int = 4) -> SpeculativeResult:
+                         chunk_iterations: int = 4, logprobs: int | None = None,
+                         logprobs_mode: str = "processed") -> SpeculativeResult:
   """Exact speculative decoding of a batch, as one jitted ``lax.while_loop`` with fixed shapes.
 
   The target prefills the prompt and samples each row's first token as
@@ -69,7 +71,10 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
      model;
   2. the target scores the token at ``L - 1`` and the proposals in ONE ``apply``
      (``T = gamma + 1``, positions ``L - 1 .. L + gamma - 1``), giving ``p`` via
-     :func:`~specdec_jax.process_logits`;
+     :func:`~specdec_jax.process_logits`. Parameters that read a request's history (the
+     penalties, ``min_tokens``, bad words) read the row's buffer, its prompt and the tokens it
+     generated, and at draft position ``i`` the proposals before it count as output, for the
+     draft's ``q`` and the target's ``p`` alike (the bonus row follows all ``gamma``);
   3. ``jax.vmap(verifier)`` keeps a prefix of the proposals plus one token, and the
      row grows by that many (cut after ``eos_id``). Only
      ``num_draft = min(gamma, max_new_tokens - emitted - 1)`` proposals are verified,
@@ -105,8 +110,9 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
     key: one ``jax.random`` key (split into one per row) or ``B`` keys, one per row.
     gamma: static int ``>= 1``, proposals per iteration.
     max_new_tokens: static int ``>= 1``.
-    params: :class:`~specdec_jax.SamplingParams` for both draft and target; each field
-      a scalar or ``(B,)``.
+    params: :class:`~specdec_jax.SamplingParams` for both draft and target; each field one
+      request's (a scalar, a list field's ``-1``-padded list) shared by the batch, or that
+      with a leading ``B``.
     eos_id: optional token id that ends a row (kept in the output).
     max_len: static buffer length, ``>= P``; default ``P + max_new_tokens``. The
       caches have ``max_len + gamma`` slots.
@@ -128,10 +134,15 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
       iterations with its state carried between them, and calls it after each chunk. The
       result is the same as without it, token for token.
     chunk_iterations: static int ``>= 1``, loop iterations per chunk when streaming.
+    logprobs: static None, or ``k`` in ``[0, min(64, V)]``: the result's ``logprobs`` (each
+      generated token's, under the target row it was drawn from) and, for ``k > 0``,
+      ``top_ids`` / ``top_logprobs``.
+    logprobs_mode: static ``"processed"`` or ``"raw"`` (the raw logits' softmax).
 
   Returns:
     :class:`SpeculativeResult`: ``tokens`` ``(B, max_len)``, ``lengths``, ``num_new``
-    ``(B,)``, :class:`DecodeStats` and the verifier's ``error`` bits per row.
+    ``(B,)``, :class:`DecodeStats`, the verifier's ``error`` bits per row and, with
+    ``logprobs``, the logprobs ``(B, max_len)``.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -196,11 +207,13 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   if adaptive is not None:
     adaptive = check_policy(adaptive, name)
   args = auto_axes((target.params, draft_params, prompt, lengths, tokens_ok,
-                    make_row_keys(key, batch, name), batch_params(params, batch, name),
+                    make_row_keys(key, batch, name), batch_params(params, batch, name, vocab=vocab),
                     check_eos(eos_id, name, vocab)))
   static = dict(target=target_fns, draft=draft_static, verifier=verifier, gamma=gamma,
                 max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
-                pad_id=check_pad_id(name, pad_id), adaptive=adaptive)
+                pad_id=check_pad_id(name, pad_id), adaptive=adaptive,
+                logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
+                logprobs_mode=logprobs_mode)
   observing = adaptive is not None and adaptive.observe > 0
   if on_tokens is None and not observing:
     return run_loop(speculative_loop, SpeculativeResult, args, _BATCH_ARGS, static,

@@ -16,7 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._adjust import chain_prefixes
+from specdec_jax._adjust import needs_edits
 from specdec_jax._block import block_verify
+from specdec_jax._logprobs import finish_emitted
 from specdec_jax._rules import CHAIN_RULES
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
@@ -26,14 +29,9 @@ from specdec_jax.decoding.adaptive import choose_num_draft
 from specdec_jax.decoding.adaptive import cost_curve
 from specdec_jax.decoding.adaptive import update_counts
 from specdec_jax.decoding.common import after_verify
-from specdec_jax.decoding.common import batch_rows
-from specdec_jax.decoding.common import lazy_processed
 from specdec_jax.decoding.common import make_common
-from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.common import prefill
 from specdec_jax.decoding.common import prefill_and_start
-from specdec_jax.decoding.common import processed
-from specdec_jax.decoding.common import reads_lazily
 from specdec_jax.decoding.common import run_one
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
@@ -45,6 +43,12 @@ from specdec_jax.decoding.drafts import propose_features
 from specdec_jax.decoding.drafts import propose_features_when
 from specdec_jax.decoding.drafts import propose_lookup
 from specdec_jax.decoding.drafts import propose_model
+from specdec_jax.decoding.request_rows import batch_rows
+from specdec_jax.decoding.request_rows import lazy_processed
+from specdec_jax.decoding.request_rows import loop_history
+from specdec_jax.decoding.request_rows import model_ids
+from specdec_jax.decoding.request_rows import processed
+from specdec_jax.decoding.request_rows import reads_lazily
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.decoding.types import SpecState
 from specdec_jax.decoding.types import SpeculativeResult
@@ -58,13 +62,14 @@ Verifier = Callable[..., VerifyResult]
 RULE_OF = {verify: "token", block_verify: "block"}
 
 _STATIC = ("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "context",
-           "pad_id", "adaptive")
+           "pad_id", "adaptive", "logprobs", "logprobs_mode")
 
 
 def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params, eos_id,
           *, target: ModelFns, draft: ModelFns | PromptLookup | FeatureFns, verifier: Verifier,
           gamma: int, max_new_tokens: int, max_len: int, context: int | None, pad_id: int,
-          adaptive: AdaptiveSpeculation | None):
+          adaptive: AdaptiveSpeculation | None, logprobs: int | None = None,
+          logprobs_mode: str = "processed"):
   """``(common, init, cond, body)`` of the chain loop (traced pieces shared by its jits)."""
   batch = prompt.shape[0]
   rows = batch_rows(batch)
@@ -74,6 +79,8 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
                               max_new_tokens=max_new_tokens, max_len=max_len, context=context,
                               vocab=vocab)
   prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
+  params = common.params  # in range (out-of-range values are flagged)
+  edits = needs_edits(params, None)  # static: some parameter adjusts the logits
   is_model = isinstance(draft, ModelFns)
   is_feature = isinstance(draft, FeatureFns)
   is_lookup = not (is_model or is_feature)
@@ -81,14 +88,15 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
 
   def init() -> SpecState:
     start = prefill_and_start(target, target_params, prompt, common, max_len, cache_len, pad_id,
-                              features=is_feature)
-    tokens, lengths, done, target_cache, first_error = start[:5]
+                              features=is_feature, history_size=max_new_tokens,
+                              logprobs=logprobs, mode=logprobs_mode)
+    tokens, lengths, done, target_cache, first_error, buffers = start[:6]
     zero = jnp.int32(0)
     if is_model:
       _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
       draft_calls = zero + 1
     elif is_feature:
-      draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[5],
+      draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[6],
                                      gamma=gamma, cache_len=cache_len, vocab=vocab)
       draft_calls = zero + 1
     else:
@@ -98,7 +106,7 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
     return SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, draft_calls,
                      (prompt_lengths < common.stop_len).astype(jnp.int32), counts, counts, at, at,
                      error | first_error, jnp.zeros((batch, 2), jnp.float32),
-                     None if adaptive is None else cost_curve(adaptive, gamma))
+                     None if adaptive is None else cost_curve(adaptive, gamma), buffers)
 
   def cond(s: SpecState):
     return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
@@ -112,20 +120,23 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
       budget, choose_num_draft(adaptive, s.adapt, gamma=gamma, costs=s.costs))
     step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
     steps = gamma if adaptive is None else jnp.maximum(jnp.max(want), 1)
+    # Each row's prompt and output so far (None unless a parameter reads them).
+    history = loop_history(common, s.tokens, s.lengths, max_new_tokens)
     if is_model:
       draft_tokens, q, draft_cache = propose_model(
         draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
-        cache_len=cache_len, steps=steps)
+        cache_len=cache_len, steps=steps, history=history)
       draft_calls = s.draft_calls + steps
     elif is_feature and adaptive is None:
       draft_tokens, q, feature_cache = propose_features(
         draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
-        cache_len=cache_len, vocab=vocab, steps=steps)
+        cache_len=cache_len, vocab=vocab, steps=steps, history=history)
       draft_calls = s.draft_calls + steps
     elif is_feature:  # adaptive: no draft work in an iteration without proposals
       draft_tokens, q, feature_cache, synced = propose_features_when(
         draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
-        cache_len=cache_len, vocab=vocab, steps=steps, propose=jnp.max(want) > 0)
+        cache_len=cache_len, vocab=vocab, steps=steps, propose=jnp.max(want) > 0,
+        history=history)
       draft_calls = s.draft_calls + jnp.where(jnp.max(want) > 0, steps, synced.astype(jnp.int32))
     else:
       draft_tokens, q, found = propose_lookup(draft, s.tokens, s.lengths, gamma=gamma,
@@ -163,14 +174,15 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
       logits, target_cache, feats = run_one(
         jnp.max(num_draft), [score(k) for k in range(gamma + 1)], s.target_cache)
     result = verify_step(verifier, logits, params, None if is_lookup else q, q, draft_tokens,
-                         uniforms, num_draft, vocab=vocab)
+                         uniforms, num_draft, vocab=vocab, history=history, logprobs=logprobs,
+                         mode=logprobs_mode)
     if is_feature and adaptive is None:
       draft_cache = (feature_cache, feats, s.lengths)
     elif is_feature:
       draft_cache = (feature_cache, *next_features(s.draft_cache, feats, s.lengths, synced))
     new = after_verify(s, result, common, active=active, target_cache=target_cache,
                        draft_cache=draft_cache, draft_calls=draft_calls, proposals=num_draft,
-                       depth=num_draft)
+                       depth=num_draft, stop_empty=edits)
     if adaptive is not None:
       accepted = jnp.where(active, result.num_accepted, 0)
       new = new._replace(adapt=update_counts(adaptive, s.adapt, num_draft, accepted, active))
@@ -180,28 +192,55 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
 
 
 def verify_step(verifier: Verifier, logits, params, q_rows, q, draft, uniforms, num_draft, *,
-                vocab: int) -> VerifyResult:
+                vocab: int, history=None, logprobs: int | None = None,
+                mode: str = "processed") -> VerifyResult:
   """The loop's verification of ``(B, gamma + 1, V)`` target logits.
 
   :func:`~specdec_jax.verify` and :func:`~specdec_jax.block_verify` (the named verifiers) read
-  the target's rows lazily processed when some request may cut them with top-k or top-p
-  (:func:`~specdec_jax.decoding.common.reads_lazily`: no ``(B, gamma + 1, V)`` probability
-  array is written) and ``q_rows``: the draft's rows, or None for point-mass proposals
-  (prompt lookup), whose rule needs no draft array. The rule and its arithmetic are those of
-  the named function on the processed rows. Otherwise, and for any other verifier, the rows
-  are processed first and the verifier gets the probabilities and ``q``.
+  the target's rows lazily processed when some request may cut them with top-k or top-p, or
+  adjusts them (:func:`~specdec_jax.decoding.request_rows.reads_lazily`), or logprobs are asked
+  for (no ``(B, gamma + 1, V)`` probability array is written), and ``q_rows``: the draft's
+  rows, or None for point-mass proposals (prompt lookup), whose rule needs no draft array.
+  The rule and its arithmetic are those of the named function on the processed rows.
+  Otherwise, and for any other verifier, the rows are processed first and the verifier gets
+  the probabilities and ``q``.
+
+  Row ``i`` of each sequence follows its ``history`` (:func:`~specdec_jax.decoding.common.
+  loop_history`) and ``draft[:i]`` (:func:`~specdec_jax._adjust.chain_prefixes`): the draft
+  tokens before a position count as output, for the penalties, ``min_tokens`` and bad words.
+  ``logprobs`` (static ``k`` or None): the result's ``logprobs`` ``(B, gamma + 1)`` (and top
+  ``k``) of the emitted tokens under the rows they were drawn from
+  (:func:`~specdec_jax._logprobs.finish_emitted`, which also drops a final token drawn from a
+  row that allows none: ``NO_ALLOWED_TOKEN``).
   """
   rule = RULE_OF.get(verifier)
-  if rule is None or not reads_lazily(logits, params):
-    return jax.vmap(verifier)(processed(logits, params), q, draft, uniforms,
-                              num_draft=num_draft)
-  rows, axes = lazy_processed(logits, params)
 
-  def one(p, q, draft, u, n):
-    return CHAIN_RULES[rule](p, q, draft, u, n, pad_id=-1, vocab=vocab)
+  def by_rule(rows, axes):
+    def one(p, q, draft, u, n):
+      return CHAIN_RULES[rule](p, q, draft, u, n, pad_id=-1, vocab=vocab)
 
-  return jax.vmap(one, in_axes=(axes, None if q_rows is None else 0, 0, 0, 0))(
-    rows, q_rows, draft, uniforms, num_draft)
+    return jax.vmap(one, in_axes=(axes, None if q_rows is None else 0, 0, 0, 0))(
+      rows, q_rows, draft, uniforms, num_draft)
+
+  if not needs_edits(params, None) and logprobs is None:  # the plain path, unchanged
+    if rule is None or not reads_lazily(logits, params):
+      return jax.vmap(verifier)(processed(logits, params), q, draft, uniforms,
+                                num_draft=num_draft)
+    return by_rule(*lazy_processed(logits, params))
+  gamma = draft.shape[1]
+  prefix, prefix_len = jax.vmap(lambda d: chain_prefixes(d, gamma + 1))(draft)
+  if rule is None:  # a function verifier gets the processed rows
+    result = jax.vmap(verifier)(processed(logits, params, history, prefix, prefix_len), q, draft,
+                                uniforms, num_draft=num_draft)
+    if logprobs is None:
+      return result
+  rows, axes = lazy_processed(logits, params, history, prefix, prefix_len,
+                              logprobs=logprobs or 0, raw=logprobs is not None and mode == "raw")
+  if rule is not None:
+    result = by_rule(rows, axes)
+  slots = jnp.arange(gamma + 1, dtype=jnp.int32)
+  return jax.vmap(lambda r, p: finish_emitted(r, p, slots, pad_id=-1, k=logprobs, mode=mode),
+                  in_axes=(0, axes))(result, rows)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -8,64 +8,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._adjust import History
+from specdec_jax._adjust import needs_edits
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
-from specdec_jax._lazy import LogitRows
-from specdec_jax._lazy import lazy_rows
-from specdec_jax._logits import SamplingParams
+from specdec_jax._lazy import request_rows
 from specdec_jax._logits import params_error
-from specdec_jax._logits import process_unchecked
+from specdec_jax._params import clipped
 from specdec_jax._sampling import sample_index
+from specdec_jax.decoding.request_rows import batch_rows
+from specdec_jax.decoding.request_rows import empty_logprobs
+from specdec_jax.decoding.request_rows import loop_history
+from specdec_jax.decoding.request_rows import model_ids
+from specdec_jax.decoding.request_rows import processed
+from specdec_jax.decoding.request_rows import record_logprobs
+from specdec_jax.decoding.request_rows import result_logprobs
+from specdec_jax.decoding.request_rows import token_logprobs
 from specdec_jax.decoding.types import Common
 from specdec_jax.decoding.types import DecodeStats
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.decoding.types import SpecState
 from specdec_jax.decoding.types import SpeculativeResult
-
-
-def batch_rows(batch: int) -> jax.Array:
-  return jnp.arange(batch, dtype=jnp.int32)
-
-
-def model_ids(tokens: jax.Array, vocab: int) -> jax.Array:
-  """Tokens as a model sees them: padding (``pad_id``, stale slots) clipped into ``[0, V)``."""
-  return jnp.clip(tokens, 0, vocab - 1)
-
-
-def processed(logits: jax.Array, params: SamplingParams) -> jax.Array:
-  """Processed distributions of ``(B, V)`` or ``(B, T, V)`` logits with per-row params."""
-  return jax.vmap(process_unchecked)(logits, params)
-
-
-def reads_lazily(logits: jax.Array, params: SamplingParams) -> bool:
-  """Whether a loop verifies ``logits`` through :func:`lazy_processed` (static).
-
-  When some request may cut its rows (``top_k`` or ``top_p`` given): processing every row
-  first runs the threshold bisection over each of them, the lazy rows settle most from 64
-  candidates (measured at batch 1, V = 49,152, top-k 50: 3.7 -> 1.9 ms per verification
-  with a model draft, 1.9 -> 0.45 ms with prompt lookup). With temperature only the two
-  cost the same within noise (0.4-0.9 ms) and the lazy program takes about 20% longer to
-  compile, so the rows are processed first. An empty batch has no rows to take statistics of.
-  """
-  return bool(logits.size) and (params.top_k is not None or params.top_p is not None)
-
-
-def lazy_processed(logits: jax.Array, params: SamplingParams) -> tuple[LogitRows, LogitRows]:
-  """``(B, R, V)`` logits with per-row ``params`` (fields ``(B,)``) as a lazily processed row
-  source (:mod:`specdec_jax._lazy`): what :func:`processed` would return, read where a rule
-  reads it, without the ``(B, R, V)`` copy.
-
-  Returns ``(rows, in_axes)``: ``rows`` with statistics ``(B, R)``, and the ``jax.vmap`` axes
-  that hand each sequence its ``(R, V)`` rows. The statistics are computed for the whole batch
-  at once, so their batch-level branches (no top-k work when no row has top-k, ...) stay
-  branches: under ``jax.vmap`` a ``lax.cond`` would run both sides.
-  """
-  batch, count, vocab = logits.shape
-  flat = SamplingParams(*(None if v is None else jnp.repeat(v, count) for v in params))
-  source = lazy_rows(logits.reshape(batch * count, vocab), flat)
-  stats = jax.tree.map(lambda a: a.reshape(batch, count), source.stats)
-  axes = LogitRows(0, jax.tree.map(lambda _: 0, stats), None)
-  return LogitRows(logits, stats, source.column), axes
 
 
 def uniform(key: jax.Array, shape=()) -> jax.Array:
@@ -165,10 +128,17 @@ def make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id, *, 
   real = jnp.arange(width, dtype=jnp.int32)[None] < prompt_lengths[:, None]
   bad_eos = (eos_id < -1) | (eos_id >= vocab)  # -1: no eos
   error = (flag(jnp.any(real & ~tokens_ok, axis=1), ErrorCode.TOKEN_OUT_OF_RANGE)
-           | jax.vmap(params_error)(params) | flag(bad_eos, ErrorCode.BAD_PARAMS)
+           | jax.vmap(lambda p: params_error(p, vocab))(params)
+           | flag(bad_eos, ErrorCode.BAD_PARAMS)
            | flag(bad_length, ErrorCode.BAD_LENGTH))
   room = (want > capacity) & ~bad_length
-  return Common(row_keys, prompt_lengths, stop_len, params, eos_id, room), error
+  prompt_ids = None
+  if params.repetition_penalty is not None:  # the only parameter that reads the prompt
+    prompt_ids = jnp.where(real, prompt, -1).astype(jnp.int32)
+  # In-range values (out-of-range ones are flagged above): what drafts and verifiers compute
+  # with; temperature, top-k and top-p pass unchanged.
+  return Common(row_keys, prompt_lengths, stop_len, clipped(params), eos_id, room,
+                prompt_ids), error
 
 
 def flag_out_of_room(error, tokens, lengths, common: Common) -> jax.Array:
@@ -178,29 +148,68 @@ def flag_out_of_room(error, tokens, lengths, common: Common) -> jax.Array:
   return error | flag(cut, ErrorCode.OUT_OF_ROOM)
 
 
-def first_token(logits, common: Common):
-  """Each row's first new token from its prefill logits (key ``fold_in(row_key, 0)``), and
-  ``NONFINITE`` bits for rows whose distribution was NaN."""
-  probs = processed(logits, common.params)
-  u = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0)))(common.row_keys)
-  return jax.vmap(sample_index)(probs, u)[:, None], nonfinite_rows(probs)
+def sample_step(logits, common: Common, history: History | None, lengths, *,
+                logprobs: int | None = None, mode: str = "processed"):
+  """Each row's next token from its logits ``(B, V)`` after its ``history``, its ``lengths``
+  ``(B,)`` (key ``fold_in(row_key, lengths - prompt_lengths)``, the tokens it generated;
+  ``lengths=None``: the first token, ``fold_in(row_key, 0)``).
+
+  Returns ``(tokens (B, 1), error (B,), logprobs, counts)``: ``NONFINITE`` bits for rows whose
+  distribution was NaN; a :class:`Logprobs` of fields ``(B, 1)`` / ``(B, 1, k)`` with
+  ``logprobs = k`` (else None), read from the same row's statistics
+  (:mod:`specdec_jax._logprobs`); and, when parameters adjust the logits, ``counts`` int32
+  ``(B,)``: 0 where the adjusted row allows no token (valid logits, every token masked or
+  banned: nothing is emitted, ``NO_ALLOWED_TOKEN`` too, as the verifiers report it), else 1
+  (None without adjustments: every row emits its token)."""
+  probs = processed(logits, common.params, history)
+  if lengths is None:  # the first token: fold_in(row_key, 0)
+    u = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0)))(common.row_keys)
+  else:
+    num_new = lengths - common.prompt_lengths
+    u = jax.vmap(lambda k, n: uniform(jax.random.fold_in(k, n)))(common.row_keys, num_new)
+  new = jax.vmap(sample_index)(probs, u)[:, None]
+  found = None
+  if logprobs is not None:
+    rows = batch_rows(logits.shape[0])
+    source = request_rows(logits, common.params, rows, history=history, logprobs=logprobs,
+                          raw=mode == "raw")
+    found = jax.tree.map(lambda a: a[:, None],
+                         token_logprobs(source, rows, new[:, 0], logprobs, mode))
+  error, counts = nonfinite_rows(probs), None
+  if needs_edits(common.params, None):
+    x = logits.astype(probs.dtype)
+    broken = jnp.any(jnp.isnan(x) | (x == jnp.inf), axis=-1) | ~jnp.any(jnp.isfinite(x), axis=-1)
+    empty = jnp.isnan(jnp.sum(probs, axis=-1)) & ~broken
+    error = error | flag(empty, ErrorCode.NO_ALLOWED_TOKEN)
+    counts = (~empty).astype(jnp.int32)
+  return new, error, found, counts
 
 
 def prefill_and_start(target: ModelFns, target_params, prompt, common: Common, max_len: int,
-                      cache_len: int, pad_id: int, *, features: bool = False):
-  """Prefill the target, emit the first token: ``(tokens, lengths, done, cache, error)``, and
-  with ``features`` the target's prompt features ``(B, P, D)`` last."""
+                      cache_len: int, pad_id: int, *, features: bool = False,
+                      history_size: int = 0, logprobs: int | None = None,
+                      mode: str = "processed"):
+  """Prefill the target, emit the first token (key ``fold_in(row_key, 0)``): ``(tokens,
+  lengths, done, cache, error, logprobs)`` (the last: the :class:`Logprobs` buffers with the
+  first token's, or None), and with ``features`` the target's prompt features ``(B, P, D)``
+  last. ``history_size``: the output slots of :func:`loop_history`."""
   tokens = init_buffer(prompt, common.prompt_lengths, max_len, pad_id)
   out = prefill(target, target_params, prompt, common.prompt_lengths, cache_len,
                 features=features)
   logits, cache = out[:2]
   lengths = common.prompt_lengths
   done = lengths >= common.stop_len
-  first, error = first_token(logits, common)
-  ones = jnp.ones_like(lengths)
-  tokens, lengths, done, _ = advance(tokens, lengths, done, first, ones, common)
+  history = loop_history(common, tokens, lengths, history_size)
+  first, error, found, counts = sample_step(logits, common, history, None, logprobs=logprobs,
+                                            mode=mode)
+  tokens, lengths, done, written = advance(
+    tokens, lengths, done, first, jnp.ones_like(lengths) if counts is None else counts, common)
+  if counts is not None:  # a row that allows no token stops: it would again
+    done = done | (counts < 1)
+  buffers = record_logprobs(empty_logprobs(tokens.shape[0], max_len, logprobs, pad_id),
+                            common.prompt_lengths, written, found)
   error = jnp.where(common.prompt_lengths < common.stop_len, error, 0)
-  return (tokens, lengths, done, cache, error, *out[2:])
+  return (tokens, lengths, done, cache, error, buffers, *out[2:])
 
 
 def make_stats(target_calls, draft_calls, row_calls, proposals, accepted, proposed_at, accepted_at,
@@ -211,15 +220,20 @@ def make_stats(target_calls, draft_calls, row_calls, proposals, accepted, propos
 
 
 def after_verify(s: SpecState, result, common: Common, *, active, target_cache, draft_cache,
-                  draft_calls, proposals, depth) -> SpecState:
+                  draft_calls, proposals, depth, stop_empty: bool = False) -> SpecState:
   """The loop state after one verification (chain or tree) of every row.
 
-  Appends each active row's emitted tokens (cut at eos / budget) and updates the
-  counters: ``proposals`` (B,) draft tokens verified, ``depth`` (B,) how many draft
-  positions (chain) or depths (tree) could be accepted this iteration.
+  Appends each active row's emitted tokens (cut at eos / budget), and their logprobs when the
+  loop keeps them (``result.logprobs``, ...), and updates the counters: ``proposals`` (B,)
+  draft tokens verified, ``depth`` (B,) how many draft positions (chain) or depths (tree)
+  could be accepted this iteration. ``stop_empty`` (static): a row that emitted nothing (its
+  adjusted row allowed no token: ``NO_ALLOWED_TOKEN``) stops, as it would again.
   """
   counts = jnp.where(active, result.num_tokens, 0)
-  tokens, lengths, done, _ = advance(s.tokens, s.lengths, s.done, result.tokens, counts, common)
+  tokens, lengths, done, written = advance(s.tokens, s.lengths, s.done, result.tokens, counts,
+                                           common)
+  if stop_empty:
+    done = done | (active & (result.num_tokens < 1))
   accepted = jnp.where(active, result.num_accepted, 0)
   at = jnp.arange(s.proposed_at.shape[1], dtype=jnp.int32)[None]
   return SpecState(
@@ -238,6 +252,7 @@ def after_verify(s: SpecState, result, common: Common, *, active, target_cache, 
     error=s.error | jnp.where(active, result.error, 0),
     adapt=s.adapt,
     costs=s.costs,
+    logprobs=record_logprobs(s.logprobs, s.lengths, written, result_logprobs(result)),
   )
 
 
@@ -246,7 +261,8 @@ def speculative_result(s: SpecState, common: Common) -> SpeculativeResult:
   stats = make_stats(s.target_calls, s.draft_calls, s.row_calls, s.proposals, s.accepted,
                  s.proposed_at, s.accepted_at, num_new)
   error = flag_out_of_room(s.error, s.tokens, s.lengths, common)
-  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, error)
+  return SpeculativeResult(s.tokens, s.lengths, num_new, stats, error,
+                           *(s.logprobs or (None, None, None)))
 
 
 def run_one(index: jax.Array, branches, cache):

@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from specdec_jax._logprobs import result_specs
 from specdec_jax.decoding.types import DecodeStats
 
 
@@ -53,7 +54,8 @@ def sharded_loop(loop: Callable, result_type: type, mesh, axis, batch_args: tupl
   names = frozenset(axis if isinstance(axis, tuple) else (axis,))
   rows = P(axis)
   stats = DecodeStats(P(), P(), *(rows,) * (len(DecodeStats._fields) - 2))
-  out_specs = result_type(rows, rows, rows, stats, rows)
+  out_specs = result_type(rows, rows, rows, stats, rows,
+                          *result_specs(dict(static).get("logprobs"), rows))
 
   def local(*args):
     result = loop(*args, **dict(static))
@@ -83,7 +85,7 @@ def run_loop(loop: Callable, result_type: type, args: tuple, batch_args: tuple[b
 
   Args:
     loop: the jitted loop; its result is ``result_type`` (fields ``tokens, lengths, num_new,
-      stats, error``).
+      stats, error`` and the logprobs fields, present when ``static["logprobs"]`` is not None).
     args: its positional arguments; ``batch_args[i]`` tells whether ``args[i]`` has the
       batch as its leading axis (else it is the same on every shard: parameters, ``eos_id``).
     static: its static keyword arguments (hashable).

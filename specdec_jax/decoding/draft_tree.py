@@ -16,7 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specdec_jax._adjust import adjusted_row
+from specdec_jax._adjust import needs_edits
+from specdec_jax._adjust import row_edits
+from specdec_jax._checks import compute_dtype
 from specdec_jax._logits import process_unchecked
+from specdec_jax._process import process_row
 from specdec_jax._sampling import sample_index
 from specdec_jax.decoding.args import model_fns
 from specdec_jax.decoding.common import uniform
@@ -107,6 +112,18 @@ class DraftTree(NamedTuple):
       depths[c] = depths[self.parents[c]] + 1
     return depths
 
+  def paths(self) -> np.ndarray:
+    """int32 ``(N, max(depth, 1))``: row ``c`` lists the nodes from the root (excluded) to
+    ``c`` (included), root side first, then ``-1``."""
+    table = np.full((self.size, max(self.depth, 1)), -1, np.int32)
+    for c in range(1, self.size):
+      chain, v = [], c
+      while v > 0:
+        chain.append(v)
+        v = self.parents[v]
+      table[c, :len(chain)] = chain[::-1]
+    return table
+
   def ancestors(self) -> np.ndarray:
     """bool ``(N, N)``: ``[c, j]`` is True when ``j`` is ``c`` or one of its ancestors."""
     mask = np.eye(self.size, dtype=bool)
@@ -154,7 +171,8 @@ def check_draft_tree(tree: DraftTree, name: str) -> DraftTree:
   return tree
 
 
-def tree_candidates(logits, key, params, width: int, law: str, vocab_ids=None, vocab=None):
+def tree_candidates(logits, key, params, width: int, law: str, vocab_ids=None, vocab=None,
+                    history=None, prefix=None, prefix_len=None):
   """``width`` candidate tokens after one node and the law they follow: ``(ids (width,), q (V,))``.
 
   ``"deterministic"``: the top-``width`` tokens of the draft's raw logits (ties to the
@@ -162,16 +180,36 @@ def tree_candidates(logits, key, params, width: int, law: str, vocab_ids=None, v
   from the draft's processed distribution. With ``vocab_ids (K,)`` the logits are over that
   subset of the ``vocab`` ids (a :class:`~specdec_jax.decoding.FeatureDraft`): the candidates
   are mapped to their ids and ``q`` is zero elsewhere.
+
+  When ``params`` adjust the logits (penalties, bias, bans, allowed ids), the node's row is
+  adjusted as the target's row at that node is: after the request's ``history`` (one
+  request's :class:`~specdec_jax.History`) and the path's tokens ``prefix[:prefix_len]``
+  (``(D,)``; the node's own token last); the deterministic candidates are then the top of the
+  *adjusted* logits, and ``q`` is processed from them over the whole vocabulary (a subset's
+  other ids ``-inf``).
   """
-  q = process_unchecked(logits, params)
+  if not needs_edits(params, None):
+    q = process_unchecked(logits, params)
+    if law == "deterministic":
+      ids = lax.top_k(logits, width)[1].astype(jnp.int32)
+    else:
+      u = uniform(key, (width,))
+      ids = jax.vmap(sample_index, in_axes=(None, 0))(q, u)
+    if vocab_ids is None:
+      return ids, q
+    return vocab_ids[ids], jnp.zeros((vocab,), q.dtype).at[vocab_ids].set(q)
+  x = logits.astype(compute_dtype(logits.dtype))
+  if vocab_ids is not None:  # the subset's logits in their target columns
+    x = jnp.full((vocab,), -jnp.inf, x.dtype).at[vocab_ids].set(x)
+  if prefix is None:
+    prefix, prefix_len = jnp.full((0,), -1, jnp.int32), jnp.int32(0)
+  edits = row_edits(x, params, history, prefix, prefix_len, None)
+  q = process_row(x, params, None, edits)
   if law == "deterministic":
-    ids = lax.top_k(logits, width)[1].astype(jnp.int32)
+    ids = lax.top_k(adjusted_row(x, edits), width)[1].astype(jnp.int32)
   else:
-    u = uniform(key, (width,))
-    ids = jax.vmap(sample_index, in_axes=(None, 0))(q, u)
-  if vocab_ids is None:
-    return ids, q
-  return vocab_ids[ids], jnp.zeros((vocab,), q.dtype).at[vocab_ids].set(q)
+    ids = jax.vmap(sample_index, in_axes=(None, 0))(q, uniform(key, (width,)))
+  return ids, q
 
 
 def tree_model_fns(model: Model, name: str, arg: str) -> TreeFns:

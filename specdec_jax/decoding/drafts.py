@@ -15,10 +15,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._adjust import needs_edits
 from specdec_jax._logits import sample_unchecked
-from specdec_jax.decoding.common import batch_rows
-from specdec_jax.decoding.common import model_ids
+from specdec_jax._sampling import sample_index
 from specdec_jax.decoding.common import run_one
+from specdec_jax.decoding.request_rows import batch_rows
+from specdec_jax.decoding.request_rows import draft_prefix
+from specdec_jax.decoding.request_rows import model_ids
+from specdec_jax.decoding.request_rows import processed
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.models.protocol import FeatureDraft
 from specdec_jax.models.protocol import Model
@@ -90,26 +94,42 @@ Draft = Model | PromptLookup | FeatureDraft
 
 
 
-def draft_sampler(step_keys, params, vocab: int, vocab_ids=None):
-  """``sample(j, logits (B, K)) -> (tokens (B,), q (B, V))``: draft position ``j``'s draw.
+def draft_sampler(step_keys, params, vocab: int, vocab_ids=None, history=None):
+  """``sample(j, logits (B, K), proposed) -> (tokens (B,), q (B, V))``: draft position ``j``'s
+  draw.
 
   Row ``b`` uses ``fold_in(step_keys[b], j)``. With ``vocab_ids`` the logits are over that
   subset of the vocabulary: the token is mapped to its target id and ``q`` is zero elsewhere.
+  When ``params`` adjust the logits (penalties, bias, bans, allowed ids), ``q`` is processed
+  as the target's row at that position is: after the row's ``history`` (the request's prompt
+  and output, :func:`~specdec_jax.decoding.request_rows.loop_history`) and the proposals before
+  position ``j`` (``proposed`` ``(B, gamma)``, its first ``j`` entries; None at ``j = 0``),
+  over the whole vocabulary (a subset's other ids are ``-inf``).
   """
-  def sample(j, logits):
+  def sample(j, logits, proposed=None):
     keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(step_keys)
-    out = jax.vmap(sample_unchecked)(keys, logits, params)
-    if vocab_ids is None:
-      return out.token, out.probs
-    q = jnp.zeros((logits.shape[0], vocab), out.probs.dtype).at[:, vocab_ids].set(out.probs)
-    return vocab_ids[out.token], q
+    if not needs_edits(params, None):
+      out = jax.vmap(sample_unchecked)(keys, logits, params)
+      if vocab_ids is None:
+        return out.token, out.probs
+      q = jnp.zeros((logits.shape[0], vocab), out.probs.dtype).at[:, vocab_ids].set(out.probs)
+      return vocab_ids[out.token], q
+    if vocab_ids is not None:  # the subset's logits in their target columns, -inf elsewhere
+      logits = jnp.full((logits.shape[0], vocab), -jnp.inf, logits.dtype).at[:, vocab_ids].set(
+        logits)
+    prefix, prefix_len = (None, None) if proposed is None else draft_prefix(proposed, j)
+    probs = processed(logits, params, history, prefix, prefix_len)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), dtype=probs.dtype))(keys)
+    return jax.vmap(sample_index)(probs, u), probs
 
   return sample
 
 
 def run_ahead(step, first_token, first_q, carry, *, gamma: int, steps):
   """Fill ``(B, gamma)`` proposals and ``(B, gamma, V)`` ``q`` from the first draw and
-  ``steps - 1`` more calls of ``step(j, token, carry) -> (token, q, carry)``.
+  ``steps - 1`` more calls of ``step(j, proposed, carry) -> (token, q, carry)`` (``proposed``
+  ``(B, gamma)``: the proposals so far, its first ``j`` entries drawn; the step feeds
+  ``proposed[:, j - 1]``).
 
   ``steps`` is a static int or a traced ``()`` int32 in ``[1, gamma]`` (adaptive speculation:
   the batch's largest proposal count); the slots after it keep the first draw (never verified).
@@ -119,7 +139,7 @@ def run_ahead(step, first_token, first_q, carry, *, gamma: int, steps):
 
   def body(j, state):
     tokens, q, carry = state
-    token, probs, carry = step(j, tokens[:, j - 1], carry)
+    token, probs, carry = step(j, tokens, carry)
     return tokens.at[:, j].set(token), q.at[:, j].set(probs), carry
 
   tokens, q, carry = lax.fori_loop(1, steps, body, (tokens, q, carry))
@@ -127,14 +147,15 @@ def run_ahead(step, first_token, first_q, carry, *, gamma: int, steps):
 
 
 def propose_model(draft: ModelFns, draft_params, cache, tokens, lengths, step_keys, params,
-                   *, gamma: int, cache_len: int, steps=None):
+                   *, gamma: int, cache_len: int, steps=None, history=None):
   """Up to ``gamma`` proposals from a draft model: one ``T = 2`` sync call, then ``steps - 1``
   single steps (``steps`` defaults to ``gamma``; see :func:`run_ahead`).
 
   The draft has processed every token before position ``L - 2`` (after a full
   acceptance the last two tokens are new to it, after a rejection only the last), so
   it is fed the tokens at ``L - 2`` and ``L - 1``. For ``L = 1`` both inputs are the
-  token at position 0 (the slot is written twice with the same token).
+  token at position 0 (the slot is written twice with the same token). ``history``: each
+  row's :class:`~specdec_jax.History` (:func:`draft_sampler`).
 
   Returns:
     ``(draft (B, gamma) int32, q (B, gamma, V), cache)``.
@@ -146,14 +167,15 @@ def propose_model(draft: ModelFns, draft_params, cache, tokens, lengths, step_ke
   positions = jnp.clip(positions, 0, cache_len - 1)
   sync = tokens[rows[:, None], positions]
   logits, cache = draft.apply(draft_params, model_ids(sync, draft.vocab_size), positions, cache)
-  sample = draft_sampler(step_keys, params, draft.vocab_size)
+  sample = draft_sampler(step_keys, params, draft.vocab_size, history=history)
   first, first_q = sample(0, logits[:, -1])
 
-  def step(j, token, carry):
+  def step(j, proposed, carry):
     cache = carry
+    token = proposed[:, j - 1]
     position = jnp.minimum(last + j, cache_len - 1)
     logits, cache = draft.apply(draft_params, token[:, None], position[:, None], cache)
-    token, q = sample(j, logits[:, 0])
+    token, q = sample(j, logits[:, 0], proposed)
     return token, q, cache
 
   return run_ahead(step, first, first_q, cache, gamma=gamma,
@@ -161,14 +183,15 @@ def propose_model(draft: ModelFns, draft_params, cache, tokens, lengths, step_ke
 
 
 def propose_features(draft: FeatureFns, draft_params, state, tokens, lengths, step_keys, params,
-                     *, gamma: int, cache_len: int, vocab: int, steps=None):
+                     *, gamma: int, cache_len: int, vocab: int, steps=None, history=None):
   """Up to ``gamma`` proposals from a :class:`FeatureDraft`: a sync call, then single steps.
 
   ``state = (cache, features (B, gamma + 1, D), start (B,))``: the target's features at
   positions ``start - 1 .. start + gamma - 1`` from its last call. The sync call
   (:func:`feature_sync`) feeds the tokens emitted since, at ``start .. L - 1``, with those
   features; its output at ``L - 1`` gives the first proposal, and each further step feeds the
-  last proposal with the draft's own predicted feature.
+  last proposal with the draft's own predicted feature. ``history``: as in
+  :func:`propose_model`.
 
   Returns:
     ``(draft (B, gamma) int32, q (B, gamma, V), cache)``.
@@ -178,15 +201,16 @@ def propose_features(draft: FeatureFns, draft_params, state, tokens, lengths, st
   first_logits, first_feature, cache = feature_sync(draft, params_d, cache, features, start,
                                                     tokens, lengths, cache_len=cache_len,
                                                     vocab=vocab)
-  sample = draft_sampler(step_keys, params, vocab, vocab_ids)
+  sample = draft_sampler(step_keys, params, vocab, vocab_ids, history)
   first, first_q = sample(0, first_logits)
   last = lengths - 1
 
-  def step(j, token, carry):
+  def step(j, proposed, carry):
     cache, feature = carry
+    token = proposed[:, j - 1]
     position = jnp.minimum(last + j, cache_len - 1)[:, None]
     logits, feature, cache = draft.apply(params_d, token[:, None], feature, position, cache)
-    token, q = sample(j, logits[:, 0])
+    token, q = sample(j, logits[:, 0], proposed)
     return token, q, (cache, feature)
 
   tokens_out, q, (cache, _) = run_ahead(step, first, first_q, (cache, first_feature[:, None]),
@@ -195,7 +219,8 @@ def propose_features(draft: FeatureFns, draft_params, state, tokens, lengths, st
 
 
 def propose_features_when(draft: FeatureFns, draft_params, state, tokens, lengths, step_keys,
-                          params, *, gamma: int, cache_len: int, vocab: int, steps, propose):
+                          params, *, gamma: int, cache_len: int, vocab: int, steps, propose,
+                          history=None):
   """:func:`propose_features` when ``propose`` (traced bool: some row proposes), else no draft
   work unless the feature window is full (adaptive speculation's iterations without proposals).
 
@@ -227,7 +252,7 @@ def propose_features_when(draft: FeatureFns, draft_params, state, tokens, length
   def draft_all(cache):
     out = propose_features(draft, draft_params, (cache, features, start), tokens, lengths,
                            step_keys, params, gamma=gamma, cache_len=cache_len, vocab=vocab,
-                           steps=steps)
+                           steps=steps, history=history)
     return (*out[:2], out[2], None)
 
   index = jnp.where(propose, 2, jnp.where(full, 1, 0))

@@ -32,7 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specdec_jax._adjust import needs_edits
 from specdec_jax._logits import process_unchecked
+from specdec_jax.decoding.request_rows import adjusted
+from specdec_jax.decoding.request_rows import processed
 
 
 class DynamicTree(NamedTuple):
@@ -118,7 +121,7 @@ class DynamicDraft(NamedTuple):
 
 def draft_dynamic_tree(tree: DynamicTree, level_call, root_token, root_logits, root_feature,
                        cache, root, *, vocab_ids, vocab: int, params=None,
-                       need_q: bool = False):
+                       need_q: bool = False, history=None):
   """Expand and rerank one dynamic tree per row (see the module docstring).
 
   Args:
@@ -136,6 +139,11 @@ def draft_dynamic_tree(tree: DynamicTree, level_call, root_token, root_logits, r
     params: :class:`~specdec_jax.SamplingParams` batched ``(B,)``, for ``q`` only.
     need_q: also return the draft's processed distributions (a negative control's rule
       reads them; the point-mass rule does not).
+    history: each row's :class:`~specdec_jax.History` (or None). When ``params`` adjust the
+      logits (penalties, bias, bans, allowed ids), each expanded node's row is adjusted after
+      the history and its path's tokens, as the target's row at that node is: its candidates
+      and confidences come from the adjusted logits (over the whole vocabulary, a subset's
+      other ids ``-inf``), and ``q`` is processed from them.
 
   Returns:
     ``(DynamicDraft, cache)``.
@@ -143,13 +151,26 @@ def draft_dynamic_tree(tree: DynamicTree, level_call, root_token, root_logits, r
   k, depth, fed = tree.top_k, tree.depth, tree.num_fed
   batch = root_logits.shape[0]
   rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+  edited = params is not None and needs_edits(params, None)  # static
+  # The fed slots' tokens (slot 0: the root), for the paths the adjustments read.
+  fed_tokens = jnp.zeros((batch, fed), jnp.int32).at[:, 0].set(root_token) if edited else None
 
-  def top(logits):
-    """The top ``k`` of each row (ties to the lower id) and their draft log-probabilities."""
+  def widen(logits):
+    """Draft-vocabulary logits ``(..., K)`` in their target columns ``(..., V)``, ``-inf``
+    elsewhere (only when adjusting: the adjustments read target ids)."""
+    out = jnp.full((*logits.shape[:-1], vocab), -jnp.inf, jnp.float32)
+    return out.at[..., vocab_ids].set(logits.astype(jnp.float32))
+
+  def top(logits, prefix=None, prefix_len=None):
+    """The top ``k`` of each row (ties to the lower id) and their draft log-probabilities;
+    adjusted after each row's history and ``prefix`` when ``params`` adjust."""
+    if edited:
+      logits = adjusted(widen(logits), params, history, prefix, prefix_len)
     ids = lax.top_k(logits, k)[1]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logp = jnp.take_along_axis(logp, ids, axis=-1)
-    return vocab_ids[ids], jnp.where(jnp.isnan(logp), -jnp.inf, logp)
+    return (ids.astype(jnp.int32) if edited else vocab_ids[ids],
+            jnp.where(jnp.isnan(logp), -jnp.inf, logp))
 
   fed_logits = jnp.zeros((batch, fed, root_logits.shape[-1]), jnp.float32)
   fed_logits = fed_logits.at[:, 0].set(root_logits)
@@ -168,13 +189,17 @@ def draft_dynamic_tree(tree: DynamicTree, level_call, root_token, root_logits, r
     parent_slots = jnp.take_along_axis(level_fed_parents, chosen, axis=1)
     mask = ancestors[rows, parent_slots] | jax.nn.one_hot(slots, fed, dtype=bool)[None]
     ancestors = ancestors.at[:, slots].set(mask)
+    chosen_tokens = jnp.take_along_axis(level_tokens[-1], chosen, axis=1)
+    if edited:
+      fed_tokens = fed_tokens.at[:, slots].set(chosen_tokens)
     logits, predicted, cache = level_call(
-      jnp.take_along_axis(level_tokens[-1], chosen, axis=1), features[rows, parent_slots],
+      chosen_tokens, features[rows, parent_slots],
       jnp.broadcast_to((root + d)[:, None], (batch, k)), cache, jnp.asarray(slots), mask)
     features = features.at[:, slots].set(predicted.astype(features.dtype))
     fed_logits = fed_logits.at[:, slots].set(logits.astype(jnp.float32))
     expanded.append((offset + chosen, slots))
-    tokens, logp = top(logits)  # (B, k, k): the children of each expanded node
+    # (B, k, k): the children of each expanded node (after its path: `fed_prefix`)
+    tokens, logp = top(logits, *((fed_prefix(mask, fed_tokens, k, depth)) if edited else ()))
     parent_scores = jnp.take_along_axis(level_scores[-1], chosen, axis=1)
     offset += level_scores[-1].shape[1]
     level_tokens.append(tokens.reshape(batch, k * k))
@@ -210,7 +235,30 @@ def draft_dynamic_tree(tree: DynamicTree, level_call, root_token, root_logits, r
   q = None
   if need_q:
     node_fed = jnp.concatenate([zero, jnp.take_along_axis(cand_fed, chosen, axis=1)], axis=1)
-    q_fed = jax.vmap(jax.vmap(process_unchecked, in_axes=(0, None)))(fed_logits, params)
-    q_fed = jnp.zeros((batch, fed, vocab), q_fed.dtype).at[:, :, vocab_ids].set(q_fed)
+    if edited:  # each fed node's row after its path
+      q_fed = processed(widen(fed_logits), params, history,
+                        *fed_prefix(ancestors, fed_tokens, k, depth))
+    else:
+      q_fed = jax.vmap(jax.vmap(process_unchecked, in_axes=(0, None)))(fed_logits, params)
+      q_fed = jnp.zeros((batch, fed, vocab), q_fed.dtype).at[:, :, vocab_ids].set(q_fed)
     q = jnp.where((node_fed >= 0)[..., None], q_fed[rows, jnp.maximum(node_fed, 0)], 0.0)
   return DynamicDraft(node_tokens, parents, depths, mask, q), cache
+
+
+def fed_prefix(ancestors: jax.Array, fed_tokens: jax.Array, k: int,
+               depth: int) -> tuple[jax.Array, jax.Array]:
+  """``(prefix (B, n, depth), length (B, n))``: the path's tokens (root excluded, the node's
+  own last) of ``n`` fed draft slots from their ancestor masks ``(B, n, F)`` over the ``F``
+  fed slots, whose tokens are ``fed_tokens`` ``(B, F)``. A fed slot of level ``l >= 1`` is in
+  block ``1 + (l - 1) k .. l k`` and has one ancestor (itself included) in each block up to
+  its own, so the path is read block by block."""
+  prefix = []
+  for level in range(1, depth):
+    block = slice(1 + (level - 1) * k, 1 + level * k)
+    hit = ancestors[..., block]
+    token = jnp.sum(jnp.where(hit, fed_tokens[:, None, block], 0), axis=-1)
+    prefix.append(jnp.where(jnp.any(hit, axis=-1), token, -1))
+  batch, n = ancestors.shape[:2]
+  prefix += [jnp.full((batch, n), -1, jnp.int32)] * (depth - len(prefix))
+  prefix = jnp.stack(prefix, axis=-1).astype(jnp.int32)
+  return prefix, jnp.sum(prefix >= 0, axis=-1, dtype=jnp.int32)

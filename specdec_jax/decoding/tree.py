@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specdec_jax._adjust import needs_edits
+from specdec_jax._adjust import tree_prefixes
 from specdec_jax._checks import check_pad_id
 from specdec_jax._logits import SamplingParams
-from specdec_jax._rules import TREE_RULE
-from specdec_jax._tree import tree_verify
-from specdec_jax.decoding.args import StaticFunction
+from specdec_jax._logprobs import check_logprobs
 from specdec_jax.decoding.args import auto_axes
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
@@ -23,20 +23,14 @@ from specdec_jax.decoding.args import check_prompt
 from specdec_jax.decoding.args import check_same_vocab
 from specdec_jax.decoding.args import row_keys as make_row_keys
 from specdec_jax.decoding.common import after_verify
-from specdec_jax.decoding.common import batch_rows
-from specdec_jax.decoding.common import lazy_processed
 from specdec_jax.decoding.common import make_common
-from specdec_jax.decoding.common import model_ids
 from specdec_jax.decoding.common import prefill
 from specdec_jax.decoding.common import prefill_and_start
-from specdec_jax.decoding.common import processed
-from specdec_jax.decoding.common import reads_lazily
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.data_parallel import run_loop
 from specdec_jax.decoding.draft_tree import DraftTree
 from specdec_jax.decoding.draft_tree import TreeFns
-from specdec_jax.decoding.draft_tree import check_draft_tree
 from specdec_jax.decoding.draft_tree import tree_candidates
 from specdec_jax.decoding.draft_tree import tree_model_fns
 from specdec_jax.decoding.drafts import FeatureFns
@@ -44,27 +38,29 @@ from specdec_jax.decoding.drafts import feature_fns
 from specdec_jax.decoding.drafts import feature_prefill
 from specdec_jax.decoding.drafts import feature_sync
 from specdec_jax.decoding.dynamic_tree import DynamicTree
-from specdec_jax.decoding.dynamic_tree import check_dynamic_tree
 from specdec_jax.decoding.dynamic_tree import draft_dynamic_tree
+from specdec_jax.decoding.request_rows import batch_rows
+from specdec_jax.decoding.request_rows import loop_history
+from specdec_jax.decoding.request_rows import model_ids
+from specdec_jax.decoding.tree_verifier import check_tree_args
+from specdec_jax.decoding.tree_verifier import default_tree_verifier
+from specdec_jax.decoding.tree_verifier import verify_tree
 from specdec_jax.decoding.types import SpecState
 from specdec_jax.decoding.types import SpeculativeResult
 from specdec_jax.models.protocol import FeatureDraft
 from specdec_jax.models.protocol import Model
 
-#: Tree drafting laws of :func:`tree_speculative_generate`.
-TREE_LAWS = ("deterministic", "iid")
-
 
 @functools.partial(
   jax.jit,
   static_argnames=("target", "draft", "tree", "law", "tree_verifier", "max_new_tokens",
-                   "max_len", "context", "pad_id"),
+                   "max_len", "context", "pad_id", "logprobs", "logprobs_mode"),
 )
 def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params,
               eos_id, *, target: TreeFns, draft: TreeFns | FeatureFns,
               tree: DraftTree | DynamicTree, law: str,
               tree_verifier, max_new_tokens: int, max_len: int, context: int | None,
-              pad_id: int):
+              pad_id: int, logprobs: int | None = None, logprobs_mode: str = "processed"):
   batch = prompt.shape[0]
   rows = batch_rows(batch)
   vocab = target.vocab_size
@@ -82,6 +78,7 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
     levels = [np.flatnonzero(depths == d).astype(np.int32) for d in range(depth + 1)]
     # Nodes of depth <= d are a prefix (breadth-first order): num_nodes for a depth budget d.
     level_end = jnp.asarray([int((depths <= d).sum()) for d in range(depth + 1)], jnp.int32)
+    paths = tree.paths()  # (N, depth): each node's path, for the rows' draft prefixes
   need_q = law != "deterministic" or tree_verifier is not default_tree_verifier(law, depth)
   is_feature = isinstance(draft, FeatureFns)
   cache_len = max_len + slots_used - 1  # tree slots reach root + N - 1 <= max_len + N - 2
@@ -89,12 +86,15 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
                           max_new_tokens=max_new_tokens, max_len=max_len, context=context,
                           vocab=vocab)
   prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
+  params = common.params  # in range (out-of-range values are flagged)
+  edits = needs_edits(params, None)  # static: some parameter adjusts the logits
   stop_len = common.stop_len
   start = prefill_and_start(target, target_params, prompt, common, max_len, cache_len, pad_id,
-                            features=is_feature)
-  tokens, lengths, done, target_cache, first_error = start[:5]
+                            features=is_feature, history_size=max_new_tokens,
+                            logprobs=logprobs, mode=logprobs_mode)
+  tokens, lengths, done, target_cache, first_error, buffers = start[:6]
   if is_feature:  # (cache, target features at positions start - 1 .. start + depth - 1, start)
-    draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[5],
+    draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[6],
                                   gamma=depth, cache_len=cache_len, vocab=vocab)
     vocab_ids = draft_params[1]
   else:
@@ -105,11 +105,23 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
   at = jnp.zeros((batch, depth), jnp.int32)
   state = SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, zero + 1,
                      (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at,
-                     error | first_error)
+                     error | first_error, logprobs=buffers)
   slots = jnp.arange(depth, dtype=jnp.int32)
   all_nodes = jnp.arange(size, dtype=jnp.int32)
-  candidates = jax.vmap(jax.vmap(tree_candidates, in_axes=(0, 0, None, None, None, None, None)),
-                        in_axes=(0, 0, 0, None, None, None, None))
+  # tree_candidates over (B, nodes): params and history per row, prefixes per node.
+  candidates = jax.vmap(
+    jax.vmap(tree_candidates, in_axes=(0, 0, None, None, None, None, None, None, 0, 0)),
+    in_axes=(0, 0, 0, None, None, None, None, 0, 0, 0))
+
+  def node_prefix(node_tokens, nodes):
+    """``(prefix (B, n, depth), length (B, n))``: the path tokens of static tree ``nodes``
+    (their tokens set), root excluded; None, None when nothing reads them."""
+    if not edits:
+      return None, None
+    table = paths[nodes]
+    prefix = jnp.where((table >= 0)[None], node_tokens[:, np.maximum(table, 0)], -1)
+    return prefix, jnp.broadcast_to(jnp.asarray(depths[nodes], jnp.int32),
+                                    (batch, len(nodes)))
 
   def model_draft(s: SpecState, root):
     """The draft model's first call (the tokens at ``L - 2, L - 1``) and its per-level call."""
@@ -146,14 +158,16 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
 
     return root_logits[:, None], (cache, node_features), level_call
 
-  def static_draft(root_logits, carry, level_call, s: SpecState, root, step_keys):
+  def static_draft(root_logits, carry, level_call, s: SpecState, root, step_keys, history):
     """Draft the static tree level by level: a first call gives the root's candidates, then
-    one tree-attention call per level gives the candidates after each of its nodes."""
+    one tree-attention call per level gives the candidates after each of its nodes (each
+    node's row after the row's ``history`` and its path)."""
     node_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 1), size))(step_keys)
     node_tokens = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(s.tokens[rows, root])
     # The point-mass rule never reads q: then no draft distribution is materialised.
     q = jnp.zeros((batch, size, vocab), jnp.float32) if need_q else None
-    ids, q_root = candidates(root_logits, node_keys[:, :1], params, width, law, vocab_ids, vocab)
+    ids, q_root = candidates(root_logits, node_keys[:, :1], params, width, law, vocab_ids, vocab,
+                             history, *node_prefix(node_tokens, np.zeros(1, np.int32)))
     cands = jnp.zeros((batch, size, width), jnp.int32).at[:, :1].set(ids)
     q = q.at[:, :1].set(q_root) if need_q else None
     for d in range(1, depth + 1):
@@ -162,7 +176,7 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
       if d < depth:  # the deepest level's candidates are never needed
         logits, carry = level_call(d, level, node_tokens, carry)
         ids, q_level = candidates(logits, node_keys[:, level], params, width, law, vocab_ids,
-                                  vocab)
+                                  vocab, history, *node_prefix(node_tokens, level))
         cands = cands.at[:, level].set(ids)
         q = q.at[:, level].set(q_level) if need_q else None
     return node_tokens, carry, q
@@ -175,6 +189,8 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
     root = s.lengths - 1  # slot and position of node 0
     budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, depth), 0)
     step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
+    # Each row's prompt and output so far (None unless a parameter reads them).
+    history = loop_history(common, s.tokens, s.lengths, max_new_tokens)
     root_logits, carry, level_call = (feature_draft if is_feature else model_draft)(s, root)
     if dynamic:
       # EAGLE-2: expand the most confident candidates, score the most confident num_draft.
@@ -182,16 +198,20 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
         tree, lambda t, f, pos, c, nodes, m: draft.tree_apply(
           draft_params[0], t, f, jnp.clip(pos, 0, cache_len - 1), c, root, nodes, m),
         s.tokens[rows, root], root_logits[:, 0], carry[1][:, 0], carry[0], root,
-        vocab_ids=vocab_ids, vocab=vocab, params=params, need_q=need_q)
+        vocab_ids=vocab_ids, vocab=vocab, params=params, need_q=need_q, history=history)
       carry = (cache, carry[1])
       node_tokens, tree_parents, node_depths, tree_mask, q = drafted
       parents_axis = 0
       num_nodes = jnp.sum(node_depths <= budget[:, None], axis=1, dtype=jnp.int32)
+      prefix, prefix_len = (jax.vmap(lambda a, t: tree_prefixes(a, t, depth))(
+        tree_parents, node_tokens) if edits else (None, None))
     else:
-      node_tokens, carry, q = static_draft(root_logits, carry, level_call, s, root, step_keys)
+      node_tokens, carry, q = static_draft(root_logits, carry, level_call, s, root, step_keys,
+                                           history)
       tree_parents, parents_axis, tree_mask = jnp.asarray(parents), None, mask
       node_depths = jnp.broadcast_to(jnp.asarray(depths)[None], (batch, size))
       num_nodes = level_end[budget]
+      prefix, prefix_len = node_prefix(node_tokens, np.arange(size))
 
     # One target call scores every node with tree attention.
     positions = jnp.clip(root[:, None] + node_depths, 0, cache_len - 1)
@@ -204,18 +224,10 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
                                                positions, s.target_cache, root, all_nodes,
                                                tree_mask)
     uniforms = jax.vmap(lambda k: uniform(jax.random.fold_in(k, 0), (size,)))(step_keys)
-    if tree_verifier is default_tree_verifier(law, depth) and reads_lazily(logits, params):
-      # tree_verify's rule on lazily processed target rows: no (B, N, V) probability array.
-      p, axes = lazy_processed(logits, params)
-      result = jax.vmap(lambda p, q, a, t, u, n: TREE_RULE(
-        p, q, a, t, u, n, law=law, pad_id=-1, max_depth=depth, uniform_layout="sequential",
-        vocab=vocab), in_axes=(axes, None if q is None else 0, parents_axis, 0, 0, 0))(
-        p, q, tree_parents, node_tokens, uniforms, num_nodes)
-    else:
-      p = processed(logits, params)
-      result = jax.vmap(lambda p, q, a, t, u, n: tree_verifier(p, q, a, t, u, num_nodes=n),
-                        in_axes=(0, 0, parents_axis, 0, 0, 0))(
-        p, p if q is None else q, tree_parents, node_tokens, uniforms, num_nodes)
+    result = verify_tree(tree_verifier, logits, params, q, tree_parents, parents_axis,
+                         node_tokens, uniforms, num_nodes, law=law, depth=depth, vocab=vocab,
+                         history=history, prefix=prefix, prefix_len=prefix_len,
+                         logprobs=logprobs, mode=logprobs_mode)
 
     accepted = jnp.where(active, result.num_accepted, 0)
     # Move the accepted path from its tree slots to the slots of its positions.
@@ -233,7 +245,8 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
       draft_cache = draft.copy_slots(carry, src, dst)
     return after_verify(s, result, common, active=active, target_cache=target_cache,
                          draft_cache=draft_cache, draft_calls=s.draft_calls + depth,
-                         proposals=jnp.where(active, num_nodes - 1, 0), depth=budget)
+                         proposals=jnp.where(active, num_nodes - 1, 0), depth=budget,
+                         stop_empty=edits)
 
   return speculative_result(lax.while_loop(cond, body, state), common)
 
@@ -244,7 +257,8 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
                               max_new_tokens: int, params: SamplingParams = SamplingParams(),
                               law: str = "deterministic", eos_id: int | None = None,
                               max_len: int | None = None, tree_verifier: Callable | None = None,
-                              pad_id: int = -1) -> SpeculativeResult:
+                              pad_id: int = -1, logprobs: int | None = None,
+                              logprobs_mode: str = "processed") -> SpeculativeResult:
   """Exact speculative decoding with a draft *tree*, as one jitted ``lax.while_loop``.
 
   Each iteration, for every unfinished row of length ``L`` (its last token is the
@@ -294,7 +308,13 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
       ``FeatureDraft``, ``law="deterministic"`` and a target whose ``tree_apply_features``
       takes a tree mask per row, ``(B, N, N)``, as the Llama and the toy models do).
     max_new_tokens: static int ``>= 1``.
-    params: :class:`~specdec_jax.SamplingParams` for target and draft; fields scalar or ``(B,)``.
+    params: :class:`~specdec_jax.SamplingParams` for target and draft; each field one
+      request's (a scalar, a list field's ``-1``-padded list) shared by the batch, or that with
+      a leading ``B``. Parameters that read a request's history (the penalties,
+      ``min_tokens``, bad words) read the row's buffer, and at node ``u`` the tokens of its path
+      count as output too, for the draft's candidates after ``u`` and the target's row at
+      ``u`` alike; with such parameters the ``"deterministic"`` candidates are the top of the
+      draft's *adjusted* logits.
     law: static, ``"deterministic"`` (top-k tree) or ``"iid"`` (sampled tree).
     eos_id: optional token id that ends a row (kept in the output).
     max_len: static buffer length, ``>= P``; default ``P + max_new_tokens``. The
@@ -305,6 +325,10 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
       ``q[c]`` is the draft's processed distribution after node ``c``. Compared by code and
       captured values, so a lambda written at the call site reuses the compiled loop.
     pad_id: static int written after each row's last token.
+    logprobs: static None, or ``k`` in ``[0, min(64, V)]``: the result's ``logprobs`` (each
+      generated token's, under the target row it was drawn from) and, for ``k > 0``,
+      ``top_ids`` / ``top_logprobs``.
+    logprobs_mode: static ``"processed"`` or ``"raw"`` (the raw logits' softmax).
 
   Returns:
     :class:`SpeculativeResult`; in its :class:`DecodeStats` the per-position counters
@@ -340,31 +364,7 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
   else:
     draft_fns, draft_params = tree_model_fns(draft, name, "draft"), draft.params
     check_same_vocab(draft_fns.vocab_size, target_fns.vocab_size, name)
-  if law not in TREE_LAWS:
-    raise ValueError(f"{name}: `law` must be one of {TREE_LAWS}, got {law!r} instead.")
-  if isinstance(tree, DynamicTree):
-    tree = check_dynamic_tree(tree, name)
-    if not isinstance(draft, FeatureDraft) or law != "deterministic":
-      raise ValueError(f"{name}: a DynamicTree (EAGLE-2) needs a FeatureDraft and "
-                       f"law='deterministic', got a {type(draft).__name__} draft and law={law!r}.")
-    width = tree.top_k
-  else:
-    tree = check_draft_tree(tree, name)
-    if tree.size < 2:
-      raise ValueError(f"{name}: `tree` must have at least one node besides the root.")
-    width = max(tree.ranks) + 1
-  draft_vocab = draft_fns.draft_vocab if isinstance(draft_fns, FeatureFns) else (
-    draft_fns.vocab_size)
-  if law == "deterministic" and width > draft_vocab:
-    raise ValueError(f"{name}: the tree asks for the top {width} candidates per node, but the "
-                     f"draft's vocabulary has only {draft_vocab} ids; use a narrower tree or "
-                     f"law='iid'.")
-  if tree_verifier is None:
-    tree_verifier = default_tree_verifier(law, tree.depth)
-  elif not callable(tree_verifier):
-    raise TypeError(f"{name}: `tree_verifier` must be a function, got {tree_verifier!r}.")
-  else:
-    tree_verifier = StaticFunction(tree_verifier)  # a call-site lambda compiles once
+  tree, tree_verifier = check_tree_args(tree, draft, draft_fns, law, tree_verifier, name)
   vocab = target_fns.vocab_size
   prompt, lengths, tokens_ok = check_prompt(prompt_tokens, prompt_lengths, name, vocab)
   batch, width = prompt.shape
@@ -372,16 +372,12 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
               ("draft", getattr(draft, "context_length", None)))
   max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
   args = auto_axes((target.params, draft_params, prompt, lengths, tokens_ok,
-                    make_row_keys(key, batch, name), batch_params(params, batch, name),
+                    make_row_keys(key, batch, name), batch_params(params, batch, name, vocab=vocab),
                     check_eos(eos_id, name, vocab)))
   static = dict(target=target_fns, draft=draft_fns, tree=tree, law=law,
                 tree_verifier=tree_verifier, max_new_tokens=int(max_new_tokens), max_len=max_len,
-                context=context, pad_id=check_pad_id(name, pad_id))
+                context=context, pad_id=check_pad_id(name, pad_id),
+                logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
+                logprobs_mode=logprobs_mode)
   batch_args = (False, False, True, True, True, True, True, False)
   return run_loop(tree_loop, SpeculativeResult, args, batch_args, static, prompt_index=2)
-
-
-@functools.cache
-def default_tree_verifier(law: str, depth: int):
-  """``tree_verify`` with the law and output length fixed (cached: one object per pair)."""
-  return functools.partial(tree_verify, law=law, max_depth=depth)

@@ -60,6 +60,13 @@ class GenerateResult(NamedTuple):
       (-1 included), ``OUT_OF_ROOM`` when the row stopped
       because the buffer (``max_len``) or the model's context was full before
       ``max_new_tokens`` or ``eos_id``.
+    logprobs: float32 ``(B, max_len)`` with ``logprobs=k`` (else None): each generated token's
+      log-probability under the target's processed distribution it was drawn from (the
+      request's penalties, bans and bias at that step included; ``logprobs_mode="raw"``: the
+      raw logits' softmax), NaN at the prompt and past the row's length.
+    top_ids, top_logprobs: ``(B, max_len, k)`` with ``logprobs=k > 0`` (else None): the ``k``
+      most likely tokens of that distribution and their logprobs (ties toward the lower id);
+      ``pad_id`` and NaN where no token was generated.
   """
 
   tokens: jax.Array
@@ -67,6 +74,9 @@ class GenerateResult(NamedTuple):
   num_new: jax.Array
   stats: DecodeStats
   error: jax.Array
+  logprobs: jax.Array | None = None
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
 
 
 class SpeculativeResult(NamedTuple):
@@ -81,6 +91,10 @@ class SpeculativeResult(NamedTuple):
       :class:`~specdec_jax.ErrorCode` masks over the row's steps and the loop's own bits
       (as in :class:`GenerateResult`); 0 when everything was valid (decode with
       :func:`~specdec_jax.describe_error`).
+    logprobs, top_ids, top_logprobs: as in :class:`GenerateResult`: each emitted token's
+      logprob under the target's processed row it was drawn from (an accepted draft token's
+      row, the replacement's and the bonus token's alike), with the draft tokens before it
+      counted as output.
   """
 
   tokens: jax.Array
@@ -88,6 +102,9 @@ class SpeculativeResult(NamedTuple):
   num_new: jax.Array
   stats: DecodeStats
   error: jax.Array
+  logprobs: jax.Array | None = None
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
 
 
 class ModelFns(NamedTuple):
@@ -109,6 +126,17 @@ class Common(NamedTuple):
   params: SamplingParams  # fields (B,) or None
   eos_id: jax.Array  # () int32, -1 for none
   room: jax.Array  # (B,) bool: the row's budget does not fit its buffer / context
+  prompt_ids: jax.Array | None = None  # (B, P) int32, -1 past the prompt: repetition penalty
+
+
+class Logprobs(NamedTuple):
+  """The logprobs buffers a loop fills when asked (``logprobs=k``): ``logprobs`` float32
+  ``(B, max_len)``, and for ``k > 0`` ``top_ids`` int32 / ``top_logprobs`` float32
+  ``(B, max_len, k)`` (else None); NaN (``pad_id``) where no token was generated."""
+
+  logprobs: jax.Array
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
 
 
 class GenerateState(NamedTuple):
@@ -122,6 +150,7 @@ class GenerateState(NamedTuple):
     target_calls: int32 ``()``.
     row_calls: int32 ``(B,)``.
     error: int32 ``(B,)``.
+    logprobs: :class:`Logprobs` of the tokens so far, or None when not asked for.
   """
 
   tokens: jax.Array
@@ -131,6 +160,7 @@ class GenerateState(NamedTuple):
   target_calls: jax.Array
   row_calls: jax.Array
   error: jax.Array
+  logprobs: Logprobs | None = None
 
 
 class SpecState(NamedTuple):
@@ -154,6 +184,7 @@ class SpecState(NamedTuple):
       (:mod:`specdec_jax.decoding.adaptive`; zeros when it is off).
     costs: float32 ``(gamma + 1,)`` adaptive speculation's cost of an iteration by call width
       (the host replaces it between chunks when it observes costs), or None when it is off.
+    logprobs: :class:`Logprobs` of the tokens so far, or None when not asked for.
   """
 
   tokens: jax.Array
@@ -171,3 +202,4 @@ class SpecState(NamedTuple):
   error: jax.Array
   adapt: Any = None
   costs: Any = None
+  logprobs: Logprobs | None = None
