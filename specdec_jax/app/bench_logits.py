@@ -22,11 +22,19 @@ ids are sampled from them (Gumbel-max), so acceptance is real.
 The parameter mixes: ``none`` (temperature 1), ``temperature`` (per request from {0.6, 0.8,
 1.0, 1.3}), ``top-k`` (and temperature; k from {20, 40, 50}), ``top-k+top-p`` (k from {0, 20,
 50}, p from {1, 0.95, 0.9, 0.8}, mixed per request), ``greedy-mixed`` (half the requests
-greedy, the others sampled with top-p 0.9).
+greedy, the others sampled with top-p 0.9); and the rest of a request over ``temperature``
+(with a history of 256 prompt and 128 output ids per request, the draft prefix counted at each
+position): ``penalties`` (repetition 1.1, frequency 0.5, presence 0.3), ``masks`` (a grammar
+bitmask per target and draft row, each allowing a random half of the vocabulary, and 8
+single-token bad words per request), ``min_p`` (0.05), ``logprobs`` (``logprobs=5``) and
+``all`` (all of them, with a logit bias of 4 ids and ``min_tokens``).
 
 Columns, on the same inputs, one after the other in one process (median of ``--repeats`` calls
 after a warm-up): ``ours`` (:func:`specdec_jax.packed_verify` with ``target_logits``,
-``draft_logits`` and ``params``); ``floor`` (NumPy reading every logits row once: no logits
+``draft_logits`` and ``params``); ``/plain`` (the surface mixes: ours over ours with the
+``temperature`` mix alone, the cost of the parameters); ``eager`` (the surface mixes: every row
+processed into probabilities first, the adjustments written out per position, then
+``packed_verify`` on the probabilities); ``floor`` (NumPy reading every logits row once: no logits
 verifier can read less, since every row's normaliser depends on all of it); ``tpu-style`` (the
 shape of vllm-project/tpu-inference's ``RejectionSampler`` from logits: every row processed
 into probabilities with a threshold search, as its ``_compute_probs`` does with
@@ -49,6 +57,8 @@ import numpy as np
 import specdec_jax
 from specdec_jax import SamplingParams
 from specdec_jax._logits import process_rows
+from specdec_jax._params import per_request
+from specdec_jax._params import take_rows
 from specdec_jax.app.baselines import eager_packed_sampler
 from specdec_jax.app.bench_packed import cell
 from specdec_jax.app.bench_packed import median_ms
@@ -66,7 +76,13 @@ REAL_PROMPTS = (
   "What are the main differences between a comet and an asteroid?",
   "Give me five ideas for a rainy Sunday afternoon with children.",
 )
-MIXES = ("none", "temperature", "top-k", "top-k+top-p", "greedy-mixed")
+MIXES = ("none", "temperature", "top-k", "top-k+top-p", "greedy-mixed", "penalties", "masks",
+         "min_p", "logprobs", "all")
+
+#: The mixes of the request's other parameters (issue 45): each over the ``temperature`` mix,
+#: with a history of :data:`PROMPT_LEN` prompt and :data:`OUTPUT_LEN` output ids per request.
+SURFACE = ("penalties", "masks", "min_p", "logprobs", "all")
+PROMPT_LEN, OUTPUT_LEN = 256, 128
 
 
 def answer_rows(model, tokenizer, prompts: Sequence[str], *, new_tokens: int,
@@ -125,13 +141,29 @@ def make_rows(rng, count: int, vocab: int, kind: str) -> np.ndarray:
   return rows
 
 
-def make_params(rng, batch: int, mix: str) -> SamplingParams | None:
+def make_params(rng, batch: int, mix: str, vocab: int = 32000) -> SamplingParams | None:
   """Per-request parameters of one mix (None: the defaults, temperature 1)."""
   if mix == "none":
     return None
   t = rng.choice([0.6, 0.8, 1.0, 1.3], batch).astype(np.float32)
   if mix == "temperature":
     return SamplingParams(t)
+  if mix in SURFACE:
+    full = lambda v, dtype=np.float32: np.full(batch, v, dtype)  # noqa: E731
+    fields = {}
+    if mix in ("penalties", "all"):
+      fields.update(repetition_penalty=full(1.1), frequency_penalty=full(0.5),
+                    presence_penalty=full(0.3))
+    if mix in ("masks", "all"):
+      fields.update(bad_words=rng.integers(0, vocab, (batch, 8, 1)).astype(np.int32))
+    if mix in ("min_p", "all"):
+      fields.update(min_p=full(0.05))
+    if mix == "all":
+      fields.update(logit_bias_ids=rng.integers(0, vocab, (batch, 4)).astype(np.int32),
+                    logit_bias_values=rng.normal(size=(batch, 4)).astype(np.float32),
+                    min_tokens=full(200, np.int32),
+                    stop_token_ids=rng.integers(0, vocab, (batch, 2)).astype(np.int32))
+    return SamplingParams(t, **fields)
   if mix == "top-k":
     return SamplingParams(t, rng.choice([20, 40, 50], batch).astype(np.int32))
   if mix == "top-k+top-p":
@@ -161,8 +193,7 @@ def make_case(batch: int, gamma: int, vocab: int, kind: str, seed: int) -> dict:
 
 def _row_params(params: SamplingParams | None, owners: np.ndarray, batch: int) -> SamplingParams:
   params = SamplingParams() if params is None else params
-  return SamplingParams(*(None if v is None else jnp.asarray(
-    np.broadcast_to(np.asarray(v), (batch,))[owners]) for v in params))
+  return take_rows(per_request(params, batch), jnp.asarray(owners))
 
 
 @jax.jit
@@ -174,16 +205,66 @@ def _tpu_style(target, draft, ids, counts, target_params, draft_params, key):
   return eager_packed_sampler(p, q, ids, counts, key)
 
 
-def timings(case: dict, mix: str, repeats: int) -> list[str]:
+def surface_inputs(case: dict, mix: str) -> dict:
+  """The history, bitmasks and logprobs of a surface mix (empty for the others)."""
+  if mix not in SURFACE:
+    return {}
+  rng, batch, vocab = np.random.default_rng(case["vocab"] + 7), case["batch"], case["vocab"]
+  history = specdec_jax.History(rng.integers(0, vocab, (batch, PROMPT_LEN)).astype(np.int32),
+                                rng.integers(0, vocab, (batch, OUTPUT_LEN)).astype(np.int32))
+  out = {"history": history}
+  if mix in ("masks", "all"):
+    for arg, rows in (("target_bitmask", case["target"].shape[0]),
+                      ("draft_bitmask", case["draft"].shape[0])):
+      out[arg] = jnp.asarray(specdec_jax.bitmask_from_mask(rng.random((rows, vocab)) < 0.5))
+  if mix in ("logprobs", "all"):
+    out["logprobs"] = 5
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("gamma",))
+def _eager(target, draft, ids, counts, uniforms, params, history, target_bitmask,
+           draft_bitmask, *, gamma):
+  """Every position's row processed into probabilities first (its adjustments written out), then
+  the verifier on probabilities: the path before the lazy row edits."""
+  from specdec_jax._adjust import row_edits
+  from specdec_jax._engine import row_owners
+  from specdec_jax._process import process_row
+
+  batch = counts.shape[0]
+  starts = jnp.cumsum(counts) - counts
+
+  def processed(rows, row_counts, offsets, masks):
+    owners = row_owners(row_counts, rows.shape[0])
+    position = jnp.clip(jnp.arange(rows.shape[0]) - offsets[owners], 0, gamma)
+    drafts = ids[jnp.clip(starts[:, None] + jnp.arange(gamma)[None, :], 0,
+                          max(ids.shape[0] - 1, 0))]
+    prefix = jnp.where(jnp.arange(gamma)[None, :] < position[:, None], drafts[owners], -1)
+    per_row = take_rows(params, owners)
+    hist = specdec_jax.History(history.prompt_ids[owners], history.output_ids[owners])
+
+    def one(x, p, h, pre, n, m):
+      return process_row(x, p, edits=row_edits(x, p, h, pre, n, m))
+    return jax.vmap(one, in_axes=(0, 0, 0, 0, 0, None if masks is None else 0))(
+      rows, per_row, hist, prefix, position, masks)
+
+  p = processed(target, counts + 1, starts + jnp.arange(batch), target_bitmask)
+  q = processed(draft, counts, starts, draft_bitmask)
+  return specdec_jax.packed_verify(ids, counts, max_spec_len=gamma, target_probs=p,
+                                   draft_probs=q, uniforms=uniforms)
+
+
+def timings(case: dict, mix: str, repeats: int, plain_ms: float | None = None) -> list[str]:
   """One row of the table."""
   batch, gamma, counts = case["batch"], case["gamma"], case["counts"]
-  params = make_params(case["rng"], batch, mix)
+  params = make_params(case["rng"], batch, mix, case["vocab"])
   dev = {k: jnp.asarray(case[k]) for k in ("target", "draft", "ids", "counts", "uniforms")}
+  extra = surface_inputs(case, mix)
 
   def ours():
     return specdec_jax.packed_verify(dev["ids"], dev["counts"], max_spec_len=gamma,
                                      target_logits=dev["target"], draft_logits=dev["draft"],
-                                     params=params, uniforms=dev["uniforms"])
+                                     params=params, uniforms=dev["uniforms"], **extra)
 
   owners_t = np.repeat(np.arange(batch), counts + 1)
   owners_d = np.repeat(np.arange(batch), counts)
@@ -198,12 +279,27 @@ def timings(case: dict, mix: str, repeats: int) -> list[str]:
   def floor():
     return float(target.sum()) + float(draft.sum())
 
-  if not np.asarray(ours().valid).all():
+  result = ours()
+  if not np.asarray(result.valid | (result.error == specdec_jax.ErrorCode.NO_ALLOWED_TOKEN)
+                    ).all():
     raise RuntimeError("packed_verify flagged the benchmark inputs")
   t = {"ours": median_ms(ours, repeats), "floor": median_ms(floor, repeats),
        "peer": median_ms(peer, max(1, repeats // 2))}
-  return [case["kind"], str(batch), str(case["vocab"]), mix, cell(t["ours"]), cell(t["floor"]),
-          cell(t["ours"] / t["floor"], "x"), cell(t["peer"]), cell(t["peer"] / t["ours"], "x")]
+  surface = ["", "", ""]
+  if mix in SURFACE:
+    bparams = per_request(params, batch)
+    history = extra["history"]
+
+    def eager():
+      return _eager(dev["target"], dev["draft"], dev["ids"], dev["counts"], dev["uniforms"],
+                    bparams, history, extra.get("target_bitmask"), extra.get("draft_bitmask"),
+                    gamma=gamma)
+    t["eager"] = median_ms(eager, max(1, repeats // 2))
+    surface = [cell(t["ours"] / plain_ms, "x") if plain_ms else "", cell(t["eager"]),
+               cell(t["eager"] / t["ours"], "x")]
+  return [case["kind"], str(batch), str(case["vocab"]), mix, cell(t["ours"]), *surface,
+          cell(t["floor"]), cell(t["ours"] / t["floor"], "x"), cell(t["peer"]),
+          cell(t["peer"] / t["ours"], "x")], t["ours"]
 
 
 def run(args: argparse.Namespace) -> str:
@@ -220,19 +316,25 @@ def run(args: argparse.Namespace) -> str:
         start = time.perf_counter()
         case = make_case(batch, args.gamma, vocab, kind, args.seed)
         case["kind"] = kind
+        plain = None
         for mix in args.mixes:
-          rows.append(timings(case, mix, args.repeats))
+          row, ms = timings(case, mix, args.repeats, plain)
+          plain = ms if mix == "temperature" else plain
+          rows.append(row)
         print(f"logits {kind} B={batch} V={vocab}: {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)
-  header = ["rows", "B", "V", "params", "ours ms", "floor ms", "ours/floor", "tpu-style ms",
-            "tpu-style/ours"]
+  header = ["rows", "B", "V", "params", "ours ms", "/plain", "eager ms", "eager/ours",
+            "floor ms", "ours/floor", "tpu-style ms", "tpu-style/ours"]
   return "\n".join([
     f"From logits, packed (num_draft ~ U{{0..{args.gamma}}}), per-request parameters:",
     format_table(header, rows, align="llll", markdown=args.markdown),
     "",
     f"median of {args.repeats} calls ({max(1, args.repeats // 2)} for tpu-style) after a "
     "warm-up; ours/floor is ours in floors (NumPy reading every logits row once), "
-    "tpu-style/ours our speed-up over a sampler that processes every row first.", *notes])
+    "tpu-style/ours our speed-up over a sampler that processes every row first; /plain: a "
+    "surface mix over the temperature mix (the parameters' cost), eager/ours: our speed-up "
+    "over processing every position's row (its adjustments written out) before verifying.",
+    *notes])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -252,7 +354,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if args.tiny:
     args.batch, args.vocab, args.repeats = [4], [1000], 1
     args.kinds = [k for k in args.kinds if k != "smollm2"]  # no model to load
-    args.mixes = ["top-k+top-p", "greedy-mixed"]
+    args.mixes = ["top-k+top-p", "greedy-mixed", "temperature", "all"]
   return args
 
 

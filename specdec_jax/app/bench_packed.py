@@ -37,6 +37,7 @@ import numpy as np
 
 import specdec_jax
 from specdec_jax import SamplingParams
+from specdec_jax._params import take_rows
 from specdec_jax.app.baselines import eager_packed_sampler
 from specdec_jax.app.baselines import sorted_process_rows
 from specdec_jax.app.tables import format_table
@@ -77,9 +78,9 @@ def _gather_then_vmap(p, q, ids, counts, uniforms, p_index, q_index):
 def _sorted_then_vmap(p_logits, q_logits, ids, counts, uniforms, p_index, q_index, params):
   """The path before the packed entry point: gather, sort-based processing, vmap(verify)."""
   batch, width = p_index.shape
-  flat = SamplingParams(*(None if v is None else jnp.repeat(v, width) for v in params))
+  flat = take_rows(params, jnp.repeat(jnp.arange(batch, dtype=jnp.int32), width))
   p = sorted_process_rows(p_logits[p_index].reshape(batch * width, -1), flat)
-  flat_q = SamplingParams(*(None if v is None else jnp.repeat(v, width - 1) for v in params))
+  flat_q = take_rows(params, jnp.repeat(jnp.arange(batch, dtype=jnp.int32), width - 1))
   q = sorted_process_rows(q_logits[q_index].reshape(batch * (width - 1), -1), flat_q)
   return jax.vmap(specdec_jax.verify)(p.reshape(batch, width, -1), q.reshape(batch, width - 1, -1),
                                       ids[q_index], uniforms, num_draft=counts)
