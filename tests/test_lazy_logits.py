@@ -278,3 +278,18 @@ def test_a_nan_anywhere_in_a_long_row_breaks_it(vocab):
                            max_spec_len=2, key=jax.random.split(jax.random.key(0), 2))
     np.testing.assert_array_equal(np.asarray(got.valid), [False, True])
     assert int(got.error[0]) != 0 and int(got.error[1]) == 0
+
+
+def test_a_cut_tied_with_the_smallest_candidate_waits_for_the_lower_ids():
+  """The 64 candidates (the entries of the 64 blocks with the largest maxima) end on two 1.0s,
+  ids 1985 and 1986, while a lower id (5) also holds 1.0 in a block gathered later: top-k 63
+  cuts on 1.0 and must keep id 5, so a cut on the smallest candidate's value is not settled by
+  the candidates (the bisection decides: 63 tokens kept, not 64)."""
+  x = np.full((1, 32 * 70), -10.0, np.float32)
+  x[0, 32 * np.arange(1, 62)] = 5.0
+  x[0, 32 * 62] = 2.0
+  x[0, [32 * 62 + 1, 32 * 62 + 2, 5]] = 1.0
+  args = (np.array([1.0], np.float32), np.array([63], np.int32), np.array([1.0], np.float32))
+  assert_same(x, *args)
+  kept = np.asarray(lazy_probs(jnp.asarray(x), *(jnp.asarray(a) for a in args)))[0] > 0
+  assert kept.sum() == 63 and kept[5] and not kept[32 * 62 + 1]

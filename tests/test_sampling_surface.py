@@ -877,3 +877,42 @@ def test_min_p_last_statistics_equal_the_reference(candidates):
                                     min_p_last=True)
     np.testing.assert_allclose(lazy[b], want, atol=1e-5, err_msg=f"lazy row {b}")
     np.testing.assert_allclose(eager[b], want, atol=1e-5, err_msg=f"eager row {b}")
+
+
+@pytest.mark.parametrize("candidates", [True, False], ids=["candidates", "bisection"])
+def test_min_p_one_keeps_exactly_the_top_tokens(candidates):
+  """``min_p = 1`` keeps the tokens at the maximum (``p >= 1 * max p``, ties included) and no
+  other, in the lazy statistics, in process_logits and in the reference."""
+  from specdec_jax._lazy import logit_stats
+
+  x = np.array([[0.0, 3.0, 1.0, 3.0, -2.0], [0.5, -1.0, 2.0, 1.0, 0.0]], np.float32)
+  m = np.array([1.0, 1.0], np.float32)
+  params = sd.SamplingParams(np.ones(2, np.float32), min_p=m)
+  want = np.array([[0, 0.5, 0, 0.5, 0], [0, 0, 1, 0, 0]])
+  stats = jax.jit(functools.partial(logit_stats, candidates=candidates))(jnp.asarray(x), params)
+  lazy = np.asarray(row_probs(jax.tree.map(lambda s: s[:, None], stats), jnp.asarray(x),
+                              jnp.arange(5)[None, :]))
+  np.testing.assert_allclose(lazy, want, atol=1e-6)
+  eager = jax.vmap(lambda row: sd.process_logits(row, sd.SamplingParams(1.0, min_p=1.0)))(
+    jnp.asarray(x))
+  np.testing.assert_allclose(np.asarray(eager), want, atol=1e-6)
+  for b in range(2):
+    np.testing.assert_allclose(reference.process_logits(x[b], 1.0, None, None, 1.0), want[b],
+                               atol=1e-12)
+
+
+def test_tree_prefixes_run_root_first():
+  """A tree node's row follows its path's tokens root first (the order multi-token bad words
+  match in), the root excluded and the node included; the chain's row i follows draft[:i]."""
+  from specdec_jax._adjust import chain_prefixes
+  from specdec_jax._adjust import tree_prefixes
+
+  parents = jnp.array([-1, 0, 1, 2, 0], jnp.int32)
+  tokens = jnp.array([3, 7, 8, 9, 4], jnp.int32)
+  prefix, depth = tree_prefixes(parents, tokens, 3)
+  want = [[-1, -1, -1], [7, -1, -1], [7, 8, -1], [7, 8, 9], [4, -1, -1]]
+  np.testing.assert_array_equal(np.asarray(prefix), want)
+  np.testing.assert_array_equal(np.asarray(depth), [0, 1, 2, 3, 1])
+  prefix, length = chain_prefixes(jnp.array([5, 6]), 3)
+  np.testing.assert_array_equal(np.asarray(prefix), [[-1, -1], [5, -1], [5, 6]])
+  np.testing.assert_array_equal(np.asarray(length), [0, 1, 2])

@@ -73,6 +73,7 @@ T_KEPT = "tests/test_kept_set.py"
 T_BATCH = "tests/test_batch_invariance.py"
 T_TEMPLATE = "tests/app/test_chat_template.py"
 T_SURFACE = "tests/test_sampling_surface.py"
+T_SAMPLING_LOOPS = "tests/decoding/test_sampling_loops.py"
 T_SLOTS = "tests/test_agreement.py::test_verify_matches_reference_slot_for_slot_at_one_shape"
 
 #: The curated mutants. Keep each selection small: a mutant run should take well under 2 minutes.
@@ -369,7 +370,7 @@ MUTANTS: tuple[Mutant, ...] = (
      "RULE_OF = {}",
      "loops: the named verifiers read a processed copy of every target row again",
      "tests/decoding/test_chain.py", "-k", "lazily"),
-  _m("tree-loop-verifies-processed-rows", "decoding/tree.py",
+  _m("tree-loop-verifies-processed-rows", "decoding/tree_verifier.py",
      "lazily = default and (reads_lazily(logits, params) or not plain)\n",
      "lazily = default and (False or not plain)\n",
      "tree loop: the default verifier reads a processed copy of every target row again",
@@ -652,7 +653,7 @@ MUTANTS: tuple[Mutant, ...] = (
      "  return (z >= jnp.log(jnp.maximum(min_p, jnp.finfo(z.dtype).tiny))) | (min_p <= 0)",
      "  return (z > jnp.log(jnp.maximum(min_p, jnp.finfo(z.dtype).tiny))) | (min_p <= 0)",
      "min_p drops a token exactly at the threshold (the top one at min_p = 1)", T_SURFACE, "-k",
-     "fuzz"),
+     "fuzz or min_p_one"),
   _m("settle-ignores-min-p", "_cuts.py",
      "      survive = survive & minp_keep\n", "      pass\n",
      "the candidates settle a min_p row as if min_p kept everything", T_SURFACE, "-k",
@@ -680,7 +681,23 @@ MUTANTS: tuple[Mutant, ...] = (
   _m("tree-prefix-reversed", "_adjust.py",
      "  at = jnp.clip(depth[:, None] - 1 - j, 0, max(max_depth - 1, 0))",
      "  at = jnp.clip(j, 0, max(max_depth - 1, 0))",
-     "a tree node's prefix read leaf first", T_SURFACE, "-k", "tree_rules or packed_tree"),
+     "a tree node's prefix read leaf first", T_SURFACE, "-k", "prefixes_run_root_first"),
+  _m("loop-history-shifted", "decoding/request_rows.py",
+     "  at = common.prompt_lengths[:, None] + jnp.arange(size, dtype=jnp.int32)[None]",
+     "  at = common.prompt_lengths[:, None] - 1 + jnp.arange(size, dtype=jnp.int32)[None]",
+     "loops: a row's output history starts on the prompt's last token", T_SAMPLING_LOOPS,
+     "-k", "logprobs_match and plain"),
+  _m("loop-logprobs-one-slot-late", "decoding/request_rows.py",
+     "  index = jnp.where(slots < counts[:, None], lengths[:, None] + slots, max_len)",
+     "  index = jnp.where(slots < counts[:, None], lengths[:, None] + slots + 1, max_len)",
+     "loops: each emitted token's logprob recorded one slot late", T_SAMPLING_LOOPS,
+     "-k", "logprobs_match and plain"),
+  _m("tree-loop-prefix-one-short", "decoding/tree.py",
+     "    return prefix, jnp.broadcast_to(jnp.asarray(depths[nodes], jnp.int32),",
+     "    return prefix, jnp.broadcast_to(jnp.asarray(np.maximum(depths[nodes] - 1, 0),"
+     " jnp.int32),",
+     "tree loop: a node's row follows its path without the node itself", T_SAMPLING_LOOPS,
+     "-k", "greedy_rows and tree"),
   # --- the application's bounds and files (issue 44) -----------------------------------------
   _m("template-width-digits", "app/template_limits.py",
      'for d in re.findall(r"\\d+", spec))', 'for d in re.findall(r"\\d", spec))',
