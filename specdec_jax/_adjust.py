@@ -132,10 +132,20 @@ def _tail(output_ids, prefix, prefix_len, size: int) -> jax.Array:
   return jnp.where(pos < 0, -2, jnp.where(pos < n_out, from_out, from_prefix))
 
 
+def compact_words(bad_words) -> jax.Array:
+  """``bad_words`` ``(NB, Lb)`` with each row's tokens (``>= 0``) moved to its front in order and
+  ``-1`` after them: a ``-1`` anywhere in a word is padding, as the reference reads it."""
+  width = bad_words.shape[-1]
+  slot = jnp.arange(width, dtype=jnp.int32)
+  order = jnp.argsort(jnp.where(bad_words >= 0, slot, width + slot), axis=-1)
+  return jnp.take_along_axis(bad_words, order, axis=-1)
+
+
 def banned_by_bad_words(bad_words, output_ids, prefix, prefix_len) -> jax.Array:
-  """``(NB,)`` bool: bad word ``j`` (a row of ``bad_words`` ``(NB, Lb)``, ``-1`` padded on the
-  right) bans its last token here, its other tokens being the last ones produced (a word of
-  one token: always)."""
+  """``(NB,)`` bool: bad word ``j`` (a row of ``bad_words`` ``(NB, Lb)``, ``-1`` padded,
+  :func:`compact_words`) bans its last token here, its other tokens being the last ones
+  produced (a word of one token: always)."""
+  bad_words = compact_words(bad_words)
   _, width = bad_words.shape
   lengths = jnp.sum(bad_words >= 0, axis=-1, dtype=jnp.int32)
   if width == 1:
@@ -150,6 +160,7 @@ def banned_by_bad_words(bad_words, output_ids, prefix, prefix_len) -> jax.Array:
 
 def last_tokens(bad_words) -> jax.Array:
   """``(NB,)`` each bad word's last token (``-1`` for an empty word)."""
+  bad_words = compact_words(bad_words)
   lengths = jnp.sum(bad_words >= 0, axis=-1, dtype=jnp.int32)
   return jnp.take_along_axis(bad_words, jnp.maximum(lengths - 1, 0)[:, None], axis=-1)[:, 0]
 

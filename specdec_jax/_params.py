@@ -50,7 +50,8 @@ class SamplingParams(NamedTuple):
     logit_bias_values: float ``(L,)`` the biases added to those ids' logits (a repeated id's
       biases add up).
     allowed_token_ids: int ``(A,)`` ids, ``-1`` padded, or None: every other token is masked.
-    bad_words: int ``(NB, Lb)`` token sequences, each ``-1`` padded on the right, or None: a
+    bad_words: int ``(NB, Lb)`` token sequences, each ``-1`` padded (a ``-1`` anywhere is
+      skipped: ``[-1, 5, -1, 7]`` is the word ``[5, 7]``), or None: a
       sequence's last token is masked where the tokens before it were just produced (a
       one-token sequence: always).
     min_tokens: int ``>= 0`` or None; with

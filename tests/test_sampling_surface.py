@@ -762,20 +762,23 @@ def test_fuzz_every_field_eager_lazy_and_reference_agree(case):
   x, params, hist, bitmask = case
   kw = reference_kwargs(params, hist.output_ids)
   kw["prompt_ids"] = hist.prompt_ids
-  want = reference.process_logits(x, float(params.temperature), int(params.top_k),
-                                  float(params.top_p), bitmask=bitmask,
-                                  **{k: v for k, v in kw.items()})
-  got = [np.asarray(a) for a in _three_ways(x, params, hist, jnp.asarray(bitmask))]
-  if np.isnan(want).all():
-    for a in got:
-      assert np.isnan(a).all()
-    return
-  for name, a in zip(("eager", "sample_draft", "lazy"), got, strict=True):
-    differ = ((a > 0) != (want > 0)) & ~((a == 0) & (want < 1e-30))
-    if differ.any():  # only at a rounding boundary: one token, the row still sums to 1
-      assert np.abs(a.sum() - 1) < 1e-5 and differ.sum() <= 1, (name, np.flatnonzero(differ))
-    else:
-      np.testing.assert_allclose(a, want, atol=1e-5, err_msg=name)
+  # As drawn, and with min_p the only cut (no top-k / top-p fields: its own one-pass cut).
+  for request in (params, params._replace(top_k=None, top_p=None)):
+    k = None if request.top_k is None else int(request.top_k)
+    p = None if request.top_p is None else float(request.top_p)
+    want = reference.process_logits(x, float(request.temperature), k, p, bitmask=bitmask,
+                                    **{k: v for k, v in kw.items()})
+    got = [np.asarray(a) for a in _three_ways(x, request, hist, jnp.asarray(bitmask))]
+    if np.isnan(want).all():
+      for a in got:
+        assert np.isnan(a).all()
+      continue
+    for name, a in zip(("eager", "sample_draft", "lazy"), got, strict=True):
+      differ = ((a > 0) != (want > 0)) & ~((a == 0) & (want < 1e-30))
+      if differ.any():  # only at a rounding boundary: one token, the row still sums to 1
+        assert np.abs(a.sum() - 1) < 1e-5 and differ.sum() <= 1, (name, np.flatnonzero(differ))
+      else:
+        np.testing.assert_allclose(a, want, atol=1e-5, err_msg=f"{name}, top-k {k}, top-p {p}")
 
 
 def test_grammar_masks_on_probability_rows_are_exact():
@@ -916,3 +919,18 @@ def test_tree_prefixes_run_root_first():
   prefix, length = chain_prefixes(jnp.array([5, 6]), 3)
   np.testing.assert_array_equal(np.asarray(prefix), [[-1, -1], [5, -1], [5, 6]])
   np.testing.assert_array_equal(np.asarray(length), [0, 1, 2])
+
+
+def test_a_bad_word_padded_anywhere_is_its_tokens_in_order():
+  """``-1`` inside a bad word is padding (the reference reads ``[-1, 4, -1, 2]`` as ``[4, 2]``):
+  after the output ``..., 4`` the token 2 is banned, as with the right-padded word."""
+  x = jnp.asarray(np.linspace(1.0, 0.0, V), jnp.float32)
+  hist = sd.History(jnp.asarray(PROMPT), jnp.asarray(np.array([3, 1, 4, -1, -1, -1], np.int32)))
+  gapped = sd.SamplingParams(1.0, bad_words=np.array([[-1, 4, -1, 2]], np.int32))
+  padded = sd.SamplingParams(1.0, bad_words=np.array([[4, 2, -1, -1]], np.int32))
+  got = np.asarray(sd.process_logits(x, gapped, hist))
+  np.testing.assert_array_equal(got, np.asarray(sd.process_logits(x, padded, hist)))
+  assert got[2] == 0 and got[1] > 0
+  want = reference.process_logits(np.asarray(x), 1.0, bad_words=[[4, 2]],
+                                  output_ids=[3, 1, 4])
+  np.testing.assert_allclose(got, want, atol=1e-6)
