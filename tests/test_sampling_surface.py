@@ -134,19 +134,25 @@ def drafted(key, draft_logits, params, bitmask=None, penalised=True):
   return jnp.stack(tokens), jnp.stack(rows)
 
 
+def prefix_cells(tokens: np.ndarray, num_tokens: np.ndarray, positions: int, least: int = 400):
+  """``[(j, prefix, rows)]``: every position ``j`` and draft prefix ``tokens[:, :j]`` that at
+  least ``least`` trials emitted a token after (the cells a per-position chi-square tests)."""
+  cells = []
+  for j in range(positions):
+    emitted = num_tokens > j
+    for prefix in {tuple(r[:j]) for r in tokens[emitted]}:
+      at = emitted & np.all(tokens[:, :j] == np.array(prefix, dtype=tokens.dtype), axis=1)
+      if at.sum() >= least:
+        cells.append((j, prefix, at))
+  return cells
+
+
 def check_positions(tokens, num_tokens, target_logits, params, label, bitmask=None,
                     alpha=ALPHA):
   """Chi-square of every position's token given its prefix against the reference law there,
   over the (position, prefix) cells with enough samples (Bonferroni over them)."""
   tokens, num_tokens = np.asarray(tokens), np.asarray(num_tokens)
-  cells = []
-  for j in range(target_logits.shape[0]):
-    emitted = num_tokens > j
-    prefixes = {tuple(r[:j]) for r in tokens[emitted]}
-    for prefix in prefixes:
-      at = emitted & np.all(tokens[:, :j] == np.array(prefix, dtype=tokens.dtype), axis=1)
-      if at.sum() >= 400:
-        cells.append((j, prefix, at))
+  cells = prefix_cells(tokens, num_tokens, target_logits.shape[0])
   assert cells, label
   for j, prefix, at in cells:
     law = target_law(target_logits[j], params, prefix,
@@ -368,13 +374,7 @@ def _grammar_trials(bonus_masked: bool):
 
 def check_grammar_positions(tokens, num_tokens, target, params, label):
   tokens, num_tokens = np.asarray(tokens), np.asarray(num_tokens)
-  cells = []
-  for j in range(GAMMA + 1):
-    emitted = num_tokens > j
-    for prefix in {tuple(r[:j]) for r in tokens[emitted]}:
-      at = emitted & np.all(tokens[:, :j] == np.array(prefix, dtype=tokens.dtype), axis=1)
-      if at.sum() >= 400:
-        cells.append((j, prefix, at))
+  cells = prefix_cells(tokens, num_tokens, GAMMA + 1)
   for j, prefix, at in cells:
     law = target_law(target[j], params, prefix, bitmask=grammar_np(prefix))
     assert_same_distribution(tokens[at, j], law, ALPHA / len(cells),
@@ -819,13 +819,7 @@ def test_grammar_masks_on_probability_rows_are_exact():
       lambda k, packed=packed: trial(k, packed=packed))(jax.random.split(jax.random.key(8),
                                                                           TRIALS)))
     assert not error.any()
-    cells = []
-    for j in range(GAMMA + 1):
-      emitted = num_tokens > j
-      for prefix in {tuple(r[:j]) for r in tokens[emitted]}:
-        at = emitted & np.all(tokens[:, :j] == np.array(prefix, dtype=tokens.dtype), axis=1)
-        if at.sum() >= 400:
-          cells.append((j, prefix, at))
+    cells = prefix_cells(tokens, num_tokens, GAMMA + 1)
     assert len(cells) >= 3
     for j, prefix, at in cells:
       assert_same_distribution(tokens[at, j], masked(p[j], prefix), ALPHA / len(cells) / 2,
