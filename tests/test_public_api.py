@@ -31,3 +31,13 @@ def test_reference_module_is_public():
 
   for name in ("sample", "speculative_step", "output_distribution", "residual"):
     assert callable(getattr(reference, name))
+
+
+def test_structured_names_import_and_have_docstrings():
+  from specdec_jax import structured
+
+  for name in structured.__all__:
+    obj = getattr(structured, name)
+    if name != "FREE":  # an int constant, documented where it is defined
+      assert obj.__doc__ and obj.__doc__.strip(), f"structured.{name} has no docstring"
+  assert structured.FREE == 0

@@ -20,6 +20,9 @@ cache slot per position, so rolling back rejected proposals is just moving a len
   skipped), a :class:`FeatureDraft` reading the target's features (EAGLE) or
   :class:`PromptLookup` (n-gram matches in the context, no model at all); with
   :class:`AdaptiveSpeculation` each row chooses how many to propose from its past acceptance.
+* Every loop takes ``grammar=`` (:mod:`specdec_jax.structured`: a JSON schema or a regex as
+  device tables) and samples only what it allows, the draft and the target masked alike at
+  every position, tokens the grammar forces proposed for free (:class:`GrammarOutcome`).
 * :func:`tree_speculative_generate`: a draft model proposes a :class:`DraftTree` of
   candidates, the target scores every node in one call with tree attention and
   :func:`~specdec_jax.tree_verify` keeps one path plus a token of its own;
@@ -43,6 +46,7 @@ from specdec_jax.decoding.tree_plan import plan_tree
 from specdec_jax.decoding.tree_verifier import TREE_LAWS
 from specdec_jax.decoding.types import DecodeStats
 from specdec_jax.decoding.types import GenerateResult
+from specdec_jax.decoding.types import GrammarOutcome
 from specdec_jax.decoding.types import SpeculativeResult
 
 __all__ = (
@@ -55,6 +59,7 @@ __all__ = (
   "DynamicTree",
   "FeatureDraft",
   "GenerateResult",
+  "GrammarOutcome",
   "PromptLookup",
   "SpeculativeResult",
   "TreePlan",

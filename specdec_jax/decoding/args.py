@@ -27,6 +27,7 @@ from specdec_jax._params import INT_FIELDS
 from specdec_jax._params import per_request
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.models.protocol import Model
+from specdec_jax.structured.tables import Grammar
 
 
 def model_fns(model: Model, name: str, arg: str) -> ModelFns:
@@ -183,6 +184,44 @@ def check_budget(max_new_tokens, max_len, width: int, lengths, name: str,
           f"{c} positions the `{arg}` model was trained for (its context_length)."
         )
   return int(max_len), context
+
+
+def check_grammar(grammar, grammar_state, name: str, batch: int, vocab: int):
+  """``(grammar, state (B,) int32)`` of a loop's ``grammar=`` / ``grammar_state=`` arguments,
+  ``(None, None)`` without a grammar.
+
+  ``grammar``: a :class:`~specdec_jax.structured.Grammar` over the model's ``vocab`` tokens;
+  ``grammar_state``: each row's initial state (``(B,)`` or a scalar for every row; default:
+  every row follows the grammar's first grammar, ``grammar.starts[1]``). Concrete states
+  outside the table raise; traced ones are flagged ``GRAMMAR`` (the row generates nothing).
+  """
+  if grammar is None:
+    if grammar_state is not None:
+      raise ValueError(f"{name}: `grammar_state` was given without `grammar`; pass the "
+                       "structured.Grammar its states belong to.")
+    return None, None
+  if not isinstance(grammar, Grammar):
+    raise TypeError(f"{name}: `grammar` must be a specdec_jax.structured.Grammar (from "
+                    f"stack_grammars); got {type(grammar).__name__} instead.")
+  if grammar.vocab_size != vocab:
+    raise ValueError(f"{name}: `grammar` was compiled over {grammar.vocab_size} tokens but the "
+                     f"model's vocabulary has {vocab}; compile it with this model's tokenizer.")
+  if grammar_state is None:
+    if grammar.starts.shape[0] < 2:
+      raise ValueError(f"{name}: `grammar` holds no grammar; build it with stack_grammars.")
+    grammar_state = grammar.starts[1]
+  state = jnp.asarray(grammar_state)
+  if not jnp.issubdtype(state.dtype, jnp.integer) or state.ndim > 1 or (
+      state.ndim == 1 and state.shape[0] != batch):
+    raise ValueError(f"{name}: `grammar_state` must be int ({batch},) or a scalar (each row's "
+                     f"initial state); got {state.dtype} {tuple(state.shape)}.")
+  if is_concrete(state):
+    values = np.asarray(state)
+    bad = (values < 0) | (values >= grammar.num_states)
+    if np.any(bad):
+      raise ValueError(f"{name}: `grammar_state` must be in [0, {grammar.num_states}) (states "
+                       f"of `grammar`); got {values.reshape(-1)[np.argmax(bad.reshape(-1))]}.")
+  return grammar, jnp.broadcast_to(state.astype(jnp.int32), (batch,))
 
 
 def check_eos(eos_id, name: str, vocab: int) -> jax.Array:

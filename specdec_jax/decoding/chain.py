@@ -23,6 +23,7 @@ from specdec_jax.decoding.args import auto_axes
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
+from specdec_jax.decoding.args import check_grammar
 from specdec_jax.decoding.args import check_prompt
 from specdec_jax.decoding.args import check_same_vocab
 from specdec_jax.decoding.args import model_fns
@@ -38,13 +39,14 @@ from specdec_jax.decoding.drafts import feature_fns
 from specdec_jax.decoding.types import SpeculativeResult
 from specdec_jax.models.protocol import FeatureDraft
 from specdec_jax.models.protocol import Model
+from specdec_jax.structured.tables import Grammar
 
 #: Verifiers selectable by name in :func:`speculative_generate`.
 VERIFIERS: dict[str, Verifier] = {"token": verify, "block": block_verify}
 
 
 # Which positional arguments of the loops have the batch as their leading axis.
-_BATCH_ARGS = (False, False, True, True, True, True, True, False)
+_BATCH_ARGS = (False, False, True, True, True, True, True, False, False, True)
 
 
 def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
@@ -55,7 +57,8 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
                          pad_id: int = -1, adaptive: AdaptiveSpeculation | None = None,
                          on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
                          chunk_iterations: int = 4, logprobs: int | None = None,
-                         logprobs_mode: str = "processed") -> SpeculativeResult:
+                         logprobs_mode: str = "processed", grammar: Grammar | None = None,
+                         grammar_state=None) -> SpeculativeResult:
   """Exact speculative decoding of a batch, as one jitted ``lax.while_loop`` with fixed shapes.
 
   The target prefills the prompt and samples each row's first token as
@@ -138,11 +141,22 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
       generated token's, under the target row it was drawn from) and, for ``k > 0``,
       ``top_ids`` / ``top_logprobs``.
     logprobs_mode: static ``"processed"`` or ``"raw"`` (the raw logits' softmax).
+    grammar, grammar_state: as in :func:`generate` (structured output). Every position is
+      masked the same way for the draft and the target: the draft samples inside the mask
+      of its state after the draft prefix (prompt lookup's proposals outside it are
+      replaced), the target's rows at every draft position and the bonus position are
+      masked by the state after the draft tokens before them, and the state moves only past
+      the tokens emitted (rejections roll back in ``O(gamma)``). Where the grammar forces the
+      next token (:class:`~specdec_jax.structured.Grammar` ``forced``: the one allowed
+      token, or the first token of forced text such as a key) it is proposed for free with
+      a point-mass ``q`` in place of the draft's; the rule is unchanged, so the output is
+      still exactly :func:`generate`'s under the same grammar.
 
   Returns:
     :class:`SpeculativeResult`: ``tokens`` ``(B, max_len)``, ``lengths``, ``num_new``
     ``(B,)``, :class:`DecodeStats`, the verifier's ``error`` bits per row and, with
-    ``logprobs``, the logprobs ``(B, max_len)``.
+    ``logprobs``, the logprobs ``(B, max_len)``; with ``grammar``, its
+    :class:`GrammarOutcome` (complete outputs, forced proposals and their acceptance).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -206,14 +220,15 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
   max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
   if adaptive is not None:
     adaptive = check_policy(adaptive, name)
+  grammar, grammar_state = check_grammar(grammar, grammar_state, name, batch, vocab)
   args = auto_axes((target.params, draft_params, prompt, lengths, tokens_ok,
                     make_row_keys(key, batch, name), batch_params(params, batch, name, vocab=vocab),
-                    check_eos(eos_id, name, vocab)))
+                    check_eos(eos_id, name, vocab), grammar, grammar_state))
   static = dict(target=target_fns, draft=draft_static, verifier=verifier, gamma=gamma,
                 max_new_tokens=int(max_new_tokens), max_len=max_len, context=context,
                 pad_id=check_pad_id(name, pad_id), adaptive=adaptive,
                 logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
-                logprobs_mode=logprobs_mode)
+                logprobs_mode=logprobs_mode, structured=grammar is not None)
   observing = adaptive is not None and adaptive.observe > 0
   if on_tokens is None and not observing:
     return run_loop(speculative_loop, SpeculativeResult, args, _BATCH_ARGS, static,

@@ -35,6 +35,8 @@ from specdec_jax.decoding.common import prefill_and_start
 from specdec_jax.decoding.common import run_one
 from specdec_jax.decoding.common import speculative_result
 from specdec_jax.decoding.common import uniform
+from specdec_jax.decoding.constrained import constrain_proposals
+from specdec_jax.decoding.constrained import forced_positions
 from specdec_jax.decoding.drafts import FeatureFns
 from specdec_jax.decoding.drafts import PromptLookup
 from specdec_jax.decoding.drafts import feature_prefill
@@ -44,6 +46,7 @@ from specdec_jax.decoding.drafts import propose_features_when
 from specdec_jax.decoding.drafts import propose_lookup
 from specdec_jax.decoding.drafts import propose_model
 from specdec_jax.decoding.request_rows import batch_rows
+from specdec_jax.decoding.request_rows import edits_needed
 from specdec_jax.decoding.request_rows import lazy_processed
 from specdec_jax.decoding.request_rows import loop_history
 from specdec_jax.decoding.request_rows import model_ids
@@ -62,25 +65,28 @@ Verifier = Callable[..., VerifyResult]
 RULE_OF = {verify: "token", block_verify: "block"}
 
 _STATIC = ("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "context",
-           "pad_id", "adaptive", "logprobs", "logprobs_mode")
+           "pad_id", "adaptive", "logprobs", "logprobs_mode", "structured")
 
 
 def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params, eos_id,
-          *, target: ModelFns, draft: ModelFns | PromptLookup | FeatureFns, verifier: Verifier,
-          gamma: int, max_new_tokens: int, max_len: int, context: int | None, pad_id: int,
+          grammar=None, grammar_start=None, *, target: ModelFns,
+          draft: ModelFns | PromptLookup | FeatureFns, verifier: Verifier, gamma: int,
+          max_new_tokens: int, max_len: int, context: int | None, pad_id: int,
           adaptive: AdaptiveSpeculation | None, logprobs: int | None = None,
-          logprobs_mode: str = "processed"):
+          logprobs_mode: str = "processed", structured: bool = False):
   """``(common, init, cond, body)`` of the chain loop (traced pieces shared by its jits)."""
+  del structured  # static: whether `grammar` is given (the data-parallel result's specs)
   batch = prompt.shape[0]
   rows = batch_rows(batch)
   vocab = target.vocab_size
   cache_len = max_len + gamma  # positions fed never pass L - 1 + gamma <= max_len + gamma - 1
   common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
                               max_new_tokens=max_new_tokens, max_len=max_len, context=context,
-                              vocab=vocab)
+                              vocab=vocab, grammar=grammar, grammar_start=grammar_start)
   prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
   params = common.params  # in range (out-of-range values are flagged)
-  edits = needs_edits(params, None)  # static: some parameter adjusts the logits
+  # static: some parameter adjusts the logits, or a grammar masks them
+  edits = needs_edits(params, None) or grammar is not None
   is_model = isinstance(draft, ModelFns)
   is_feature = isinstance(draft, FeatureFns)
   is_lookup = not (is_model or is_feature)
@@ -96,7 +102,7 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
       _, draft_cache = prefill(draft, draft_params, prompt, prompt_lengths, cache_len)
       draft_calls = zero + 1
     elif is_feature:
-      draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[6],
+      draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[7],
                                      gamma=gamma, cache_len=cache_len, vocab=vocab)
       draft_calls = zero + 1
     else:
@@ -106,7 +112,8 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
     return SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, draft_calls,
                      (prompt_lengths < common.stop_len).astype(jnp.int32), counts, counts, at, at,
                      error | first_error, jnp.zeros((batch, 2), jnp.float32),
-                     None if adaptive is None else cost_curve(adaptive, gamma), buffers)
+                     None if adaptive is None else cost_curve(adaptive, gamma), buffers, start[6],
+                     None if grammar is None else jnp.zeros((batch, 2), jnp.int32))
 
   def cond(s: SpecState):
     return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
@@ -121,7 +128,7 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
     step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
     steps = gamma if adaptive is None else jnp.maximum(jnp.max(want), 1)
     # Each row's prompt and output so far (None unless a parameter reads them).
-    history = loop_history(common, s.tokens, s.lengths, max_new_tokens)
+    history = loop_history(common, s.tokens, s.lengths, max_new_tokens, s.grammar)
     if is_model:
       draft_tokens, q, draft_cache = propose_model(
         draft, draft_params, s.draft_cache, s.tokens, s.lengths, step_keys, params, gamma=gamma,
@@ -141,6 +148,9 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
     else:
       draft_tokens, q, found = propose_lookup(draft, s.tokens, s.lengths, gamma=gamma,
                                               vocab=vocab)
+      if grammar is not None:  # forced tokens first, nothing the grammar refuses
+        draft_tokens = constrain_proposals(grammar, s.grammar, draft_tokens)
+        q = jax.nn.one_hot(draft_tokens, vocab, dtype=q.dtype)
       if adaptive is not None:  # no n-gram match: propose nothing
         want = jnp.where(found, want, 0)
       draft_cache, draft_calls = s.draft_cache, s.draft_calls
@@ -180,9 +190,11 @@ def _loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_ke
       draft_cache = (feature_cache, feats, s.lengths)
     elif is_feature:
       draft_cache = (feature_cache, *next_features(s.draft_cache, feats, s.lengths, synced))
+    forced = None if grammar is None else forced_positions(grammar, s.grammar, draft_tokens,
+                                                            common.eos_id)
     new = after_verify(s, result, common, active=active, target_cache=target_cache,
                        draft_cache=draft_cache, draft_calls=draft_calls, proposals=num_draft,
-                       depth=num_draft, stop_empty=edits)
+                       depth=num_draft, stop_empty=edits, forced=forced)
     if adaptive is not None:
       accepted = jnp.where(active, result.num_accepted, 0)
       new = new._replace(adapt=update_counts(adaptive, s.adapt, num_draft, accepted, active))
@@ -222,7 +234,7 @@ def verify_step(verifier: Verifier, logits, params, q_rows, q, draft, uniforms, 
     return jax.vmap(one, in_axes=(axes, None if q_rows is None else 0, 0, 0, 0))(
       rows, q_rows, draft, uniforms, num_draft)
 
-  if not needs_edits(params, None) and logprobs is None:  # the plain path, unchanged
+  if not edits_needed(params, history) and logprobs is None:  # the plain path, unchanged
     if rule is None or not reads_lazily(logits, params):
       return jax.vmap(verifier)(processed(logits, params), q, draft, uniforms,
                                 num_draft=num_draft)

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec_jax._logprobs import result_specs
 from specdec_jax.decoding.types import DecodeStats
+from specdec_jax.decoding.types import GrammarOutcome
 
 
 def batch_axis(prompt) -> tuple[object, str | tuple[str, ...]] | None:
@@ -54,8 +55,9 @@ def sharded_loop(loop: Callable, result_type: type, mesh, axis, batch_args: tupl
   names = frozenset(axis if isinstance(axis, tuple) else (axis,))
   rows = P(axis)
   stats = DecodeStats(P(), P(), *(rows,) * (len(DecodeStats._fields) - 2))
+  outcome = GrammarOutcome(rows, rows, rows, rows) if dict(static).get("structured") else None
   out_specs = result_type(rows, rows, rows, stats, rows,
-                          *result_specs(dict(static).get("logprobs"), rows))
+                          *result_specs(dict(static).get("logprobs"), rows), outcome)
 
   def local(*args):
     result = loop(*args, **dict(static))

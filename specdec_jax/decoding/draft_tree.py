@@ -25,6 +25,8 @@ from specdec_jax._process import process_row
 from specdec_jax._sampling import sample_index
 from specdec_jax.decoding.args import model_fns
 from specdec_jax.decoding.common import uniform
+from specdec_jax.decoding.request_rows import row_bitmask
+from specdec_jax.decoding.request_rows import split_history
 from specdec_jax.models.protocol import Model
 
 
@@ -172,7 +174,7 @@ def check_draft_tree(tree: DraftTree, name: str) -> DraftTree:
 
 
 def tree_candidates(logits, key, params, width: int, law: str, vocab_ids=None, vocab=None,
-                    history=None, prefix=None, prefix_len=None):
+                    history=None, prefix=None, prefix_len=None, bitmask=None):
   """``width`` candidate tokens after one node and the law they follow: ``(ids (width,), q (V,))``.
 
   ``"deterministic"``: the top-``width`` tokens of the draft's raw logits (ties to the
@@ -186,9 +188,10 @@ def tree_candidates(logits, key, params, width: int, law: str, vocab_ids=None, v
   request's :class:`~specdec_jax.History`) and the path's tokens ``prefix[:prefix_len]``
   (``(D,)``; the node's own token last); the deterministic candidates are then the top of the
   *adjusted* logits, and ``q`` is processed from them over the whole vocabulary (a subset's
-  other ids ``-inf``).
+  other ids ``-inf``). ``bitmask`` ``(W,)``: the node's grammar mask (the row's state after
+  the path), or None.
   """
-  if not needs_edits(params, None):
+  if not needs_edits(params, bitmask):
     q = process_unchecked(logits, params)
     if law == "deterministic":
       ids = lax.top_k(logits, width)[1].astype(jnp.int32)
@@ -203,13 +206,25 @@ def tree_candidates(logits, key, params, width: int, law: str, vocab_ids=None, v
     x = jnp.full((vocab,), -jnp.inf, x.dtype).at[vocab_ids].set(x)
   if prefix is None:
     prefix, prefix_len = jnp.full((0,), -1, jnp.int32), jnp.int32(0)
-  edits = row_edits(x, params, history, prefix, prefix_len, None)
+  edits = row_edits(x, params, history, prefix, prefix_len, bitmask)
   q = process_row(x, params, None, edits)
   if law == "deterministic":
     ids = lax.top_k(adjusted_row(x, edits), width)[1].astype(jnp.int32)
   else:
     ids = jax.vmap(sample_index, in_axes=(None, 0))(q, uniform(key, (width,)))
   return ids, q
+
+
+def node_bitmask(history, prefix, prefix_len):
+  """int32 ``(B, n, W)``: the grammar bitmask of ``(B, n)`` tree nodes, each row's state after
+  the node's path ``prefix`` ``(B, n, D)`` (``prefix_len`` ``(B, n)``); None without a
+  grammar (``history`` not a :class:`~specdec_jax.decoding.request_rows.Constrained`)."""
+  if split_history(history)[1] is None:
+    return None
+  batch, n = prefix.shape[:2]
+  owners = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), n)
+  return row_bitmask(history, owners, prefix.reshape(batch * n, -1),
+                     prefix_len.reshape(-1)).reshape(batch, n, -1)
 
 
 def tree_model_fns(model: Model, name: str, arg: str) -> TreeFns:

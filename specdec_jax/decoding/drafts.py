@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specdec_jax._adjust import needs_edits
 from specdec_jax._logits import sample_unchecked
 from specdec_jax._sampling import sample_index
 from specdec_jax.decoding.common import run_one
+from specdec_jax.decoding.constrained import force
 from specdec_jax.decoding.request_rows import batch_rows
 from specdec_jax.decoding.request_rows import draft_prefix
+from specdec_jax.decoding.request_rows import edits_needed
 from specdec_jax.decoding.request_rows import model_ids
 from specdec_jax.decoding.request_rows import processed
 from specdec_jax.decoding.types import ModelFns
@@ -108,7 +109,7 @@ def draft_sampler(step_keys, params, vocab: int, vocab_ids=None, history=None):
   """
   def sample(j, logits, proposed=None):
     keys = jax.vmap(lambda k: jax.random.fold_in(k, j))(step_keys)
-    if not needs_edits(params, None):
+    if not edits_needed(params, history):
       out = jax.vmap(sample_unchecked)(keys, logits, params)
       if vocab_ids is None:
         return out.token, out.probs
@@ -120,7 +121,7 @@ def draft_sampler(step_keys, params, vocab: int, vocab_ids=None, history=None):
     prefix, prefix_len = (None, None) if proposed is None else draft_prefix(proposed, j)
     probs = processed(logits, params, history, prefix, prefix_len)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), dtype=probs.dtype))(keys)
-    return jax.vmap(sample_index)(probs, u), probs
+    return force(history, prefix, prefix_len, jax.vmap(sample_index)(probs, u), probs)
 
   return sample
 

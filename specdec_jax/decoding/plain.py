@@ -15,11 +15,13 @@ from specdec_jax.decoding.args import auto_axes
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
+from specdec_jax.decoding.args import check_grammar
 from specdec_jax.decoding.args import check_prompt
 from specdec_jax.decoding.args import model_fns
 from specdec_jax.decoding.args import row_keys as make_row_keys
-from specdec_jax.decoding.common import advance
+from specdec_jax.decoding.common import append_constrained
 from specdec_jax.decoding.common import flag_out_of_room
+from specdec_jax.decoding.common import grammar_outcome
 from specdec_jax.decoding.common import make_common
 from specdec_jax.decoding.common import make_stats
 from specdec_jax.decoding.common import prefill_and_start
@@ -33,29 +35,34 @@ from specdec_jax.decoding.types import GenerateResult
 from specdec_jax.decoding.types import GenerateState
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.models.protocol import Model
+from specdec_jax.structured.tables import Grammar
 
 
 @functools.partial(
   jax.jit,
   static_argnames=("target", "max_new_tokens", "max_len", "context", "pad_id", "logprobs",
-                   "logprobs_mode"),
+                   "logprobs_mode", "structured"),
 )
-def generate_loop(target_params, prompt, prompt_lengths, tokens_ok, row_keys, params, eos_id, *,
-                  target: ModelFns, max_new_tokens: int, max_len: int, context: int | None,
-                  pad_id: int, logprobs: int | None = None, logprobs_mode: str = "processed"):
+def generate_loop(target_params, prompt, prompt_lengths, tokens_ok, row_keys, params, eos_id,
+                  grammar=None, grammar_start=None, *, target: ModelFns, max_new_tokens: int,
+                  max_len: int, context: int | None,
+                  pad_id: int, logprobs: int | None = None, logprobs_mode: str = "processed",
+                  structured: bool = False):
+  del structured  # static: whether `grammar` is given (the data-parallel result's specs)
   batch = prompt.shape[0]
   rows = batch_rows(batch)
   common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
                           max_new_tokens=max_new_tokens, max_len=max_len, context=context,
-                          vocab=target.vocab_size)
+                          vocab=target.vocab_size, grammar=grammar,
+                          grammar_start=grammar_start)
   prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
-  tokens, lengths, done, cache, first_error, buffers = prefill_and_start(
+  tokens, lengths, done, cache, first_error, buffers, grammar_state = prefill_and_start(
     target, target_params, prompt, common, max_len, max_len, pad_id,
     history_size=max_new_tokens, logprobs=logprobs, mode=logprobs_mode)
   zero = jnp.int32(0)
   state = GenerateState(tokens, lengths, done, cache, zero + 1,
                          (prompt_lengths < common.stop_len).astype(jnp.int32),
-                         error | first_error, buffers)
+                         error | first_error, buffers, grammar_state)
 
   def cond(s: GenerateState):
     return jnp.any(~s.done) & (s.target_calls <= max_new_tokens)
@@ -64,19 +71,19 @@ def generate_loop(target_params, prompt, prompt_lengths, tokens_ok, row_keys, pa
     last = s.lengths - 1
     inputs = model_ids(s.tokens[rows, last], target.vocab_size)[:, None]
     logits, cache = target.apply(target_params, inputs, last[:, None], s.cache)
-    history = loop_history(common, s.tokens, s.lengths, max_new_tokens)
+    history = loop_history(common, s.tokens, s.lengths, max_new_tokens, s.grammar)
     new, bad, found, counts = sample_step(logits[:, 0], common, history, s.lengths,
                                           logprobs=logprobs, mode=logprobs_mode)
     active = ~s.done
-    tokens, lengths, done, written = advance(
+    tokens, lengths, done, written, bad, grammar_state = append_constrained(
       s.tokens, s.lengths, s.done, new, jnp.ones_like(s.lengths) if counts is None else counts,
-      common)
+      common, s.grammar, bad)
     if counts is not None:  # a row whose adjusted row allows no token stops (it would again)
       done = done | (counts < 1)
     return GenerateState(tokens, lengths, done, cache, s.target_calls + 1,
                           s.row_calls + active.astype(jnp.int32),
                           s.error | jnp.where(active, bad, 0),
-                          record_logprobs(s.logprobs, s.lengths, written, found))
+                          record_logprobs(s.logprobs, s.lengths, written, found), grammar_state)
 
   s = lax.while_loop(cond, body, state)
   num_new = s.lengths - prompt_lengths
@@ -85,14 +92,15 @@ def generate_loop(target_params, prompt, prompt_lengths, tokens_ok, row_keys, pa
                  jnp.zeros_like(num_new), empty, empty, num_new)
   return GenerateResult(s.tokens, s.lengths, num_new, stats,
                         flag_out_of_room(s.error, s.tokens, s.lengths, common),
-                        *(s.logprobs or (None, None, None)))
+                        *(s.logprobs or (None, None, None)), grammar_outcome(common, s.grammar))
 
 
 def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, key: jax.Array,
              *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
              eos_id: int | None = None, max_len: int | None = None,
              pad_id: int = -1, logprobs: int | None = None,
-             logprobs_mode: str = "processed") -> GenerateResult:
+             logprobs_mode: str = "processed", grammar: Grammar | None = None,
+             grammar_state=None) -> GenerateResult:
   """Plain autoregressive decoding: one target call per token, as one jitted while loop.
 
   The prompt is prefilled with one ``apply`` call (``T = P``, positions ``0 .. P - 1``;
@@ -127,10 +135,18 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
       generated token's) and, for ``k > 0``, ``top_ids`` / ``top_logprobs``.
     logprobs_mode: static ``"processed"`` (the distribution the token was drawn from) or
       ``"raw"`` (the raw logits' softmax).
+    grammar: a :class:`~specdec_jax.structured.Grammar` (JSON schemas, regexes) or None:
+      every row samples only tokens its grammar state allows (the mask applied after the
+      request's allowed ids, as vLLM applies a grammar bitmask), EOS only where its text is
+      complete; the state moves with each token inside the loop, no host call.
+    grammar_state: int ``(B,)`` (or a scalar) each row's initial state
+      (:func:`~specdec_jax.structured.start_states`; ``FREE``: unconstrained); default:
+      every row starts the first grammar stacked.
 
   Returns:
     :class:`GenerateResult` with ``tokens`` ``(B, max_len)``, ``lengths``, ``num_new``
-    ``(B,)``, :class:`DecodeStats` and, with ``logprobs``, the logprobs ``(B, max_len)``.
+    ``(B,)``, :class:`DecodeStats` and, with ``logprobs``, the logprobs ``(B, max_len)``;
+    with ``grammar``, ``grammar`` (:class:`GrammarOutcome`: whether each output is complete).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -152,12 +168,13 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
   batch, width = prompt.shape
   max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name,
                                    (("model", model.context_length),))
+  grammar, grammar_state = check_grammar(grammar, grammar_state, name, batch, fns.vocab_size)
   args = auto_axes((model.params, prompt, lengths, tokens_ok, make_row_keys(key, batch, name),
                     batch_params(params, batch, name, vocab=fns.vocab_size),
-                    check_eos(eos_id, name, fns.vocab_size)))
+                    check_eos(eos_id, name, fns.vocab_size), grammar, grammar_state))
   static = dict(target=fns, max_new_tokens=int(max_new_tokens), max_len=max_len,
                 context=context, pad_id=check_pad_id(name, pad_id),
                 logprobs=check_logprobs(name, logprobs, logprobs_mode, fns.vocab_size),
-                logprobs_mode=logprobs_mode)
-  batch_args = (False, True, True, True, True, True, False)
+                logprobs_mode=logprobs_mode, structured=grammar is not None)
+  batch_args = (False, True, True, True, True, True, False, False, True)
   return run_loop(generate_loop, GenerateResult, args, batch_args, static, prompt_index=1)

@@ -3,6 +3,8 @@ lazily processed target rows, and the logprobs recorded beside the tokens."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -21,10 +23,58 @@ from specdec_jax._params import take_rows
 from specdec_jax._process import process_row
 from specdec_jax.decoding.types import Common
 from specdec_jax.decoding.types import Logprobs
+from specdec_jax.structured.tables import Grammar
+from specdec_jax.structured.tables import prefix_state
+from specdec_jax.structured.tables import state_bitmask
 
 #: The parameters that read a request's history (its prompt, its output, the draft prefix).
 HISTORY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "bad_words",
                   "min_tokens")
+
+
+class Constrained(NamedTuple):
+  """A loop's rows under a grammar: each request's :class:`~specdec_jax.History` (or None)
+  and its grammar state before the rows' draft prefixes.
+
+  Where a loop hands ``history`` to :func:`processed`, :func:`adjusted` or
+  :func:`lazy_processed`, this form masks every row with its grammar state after the row's
+  draft prefix (the draft's rows and the target's, bonus row included, alike)."""
+
+  history: History | None
+  grammar: Grammar
+  state: jax.Array  # (B,) int32
+
+
+def split_history(history) -> tuple[History | None, Constrained | None]:
+  """``(History or None, Constrained or None)`` of a loop's ``history`` argument."""
+  if isinstance(history, Constrained):
+    return history.history, history
+  return history, None
+
+
+def edits_needed(params: SamplingParams, history) -> bool:
+  """Whether rows under ``params`` and ``history`` need edits (static): a parameter adjusts
+  the logits, or a grammar masks them."""
+  return isinstance(history, Constrained) or needs_edits(params, None)
+
+
+def row_states(history, owners: jax.Array, prefix, prefix_len) -> jax.Array | None:
+  """int32 ``(R,)``: the grammar state of each row (its request ``owners[r]``'s state after
+  ``prefix[r, :prefix_len[r]]``), or None without a grammar."""
+  _, constrained = split_history(history)
+  if constrained is None:
+    return None
+  state = constrained.state[owners]
+  if prefix is None:
+    return state
+  return jax.vmap(lambda s, p, n: prefix_state(constrained.grammar, s, p, n))(
+    state, prefix, prefix_len)
+
+
+def row_bitmask(history, owners: jax.Array, prefix, prefix_len) -> jax.Array | None:
+  """int32 ``(R, W)``: each row's grammar bitmask (:func:`row_states`), or None."""
+  states = row_states(history, owners, prefix, prefix_len)
+  return None if states is None else state_bitmask(split_history(history)[1].grammar, states)
 
 
 def batch_rows(batch: int) -> jax.Array:
@@ -46,7 +96,7 @@ def processed(logits: jax.Array, params: SamplingParams, history: History | None
   (``(B, R)``) count: a row follows its request's history, then those draft tokens (output
   too). Without parameters that adjust the logits this is the plain processing, unchanged.
   """
-  if not needs_edits(params, None):
+  if not edits_needed(params, history):
     return jax.vmap(process_unchecked)(logits, params)
   flat, row_params, edits = _edited_rows(logits, params, history, prefix, prefix_len)
   probs = jax.vmap(lambda x, p, e: process_row(x, p, None, e))(flat, row_params, edits)
@@ -58,7 +108,7 @@ def adjusted(logits: jax.Array, params: SamplingParams, history: History | None 
   """The adjusted logits (penalties, bias, bans, allowed ids applied; before the temperature)
   of ``(B, V)`` or ``(B, R, V)`` logits, written out (a draft's candidate choice reads them);
   arguments as in :func:`processed`. The logits themselves when nothing adjusts them."""
-  if not needs_edits(params, None):
+  if not edits_needed(params, history):
     return logits
   flat, _, edits = _edited_rows(logits, params, history, prefix, prefix_len)
   return jax.vmap(adjusted_row)(flat, edits).reshape(logits.shape)
@@ -69,10 +119,13 @@ def _edited_rows(logits, params, history, prefix, prefix_len):
   (rows in the compute dtype, at least float32)."""
   flat, owners, row_prefix, row_len = _flat_rows(logits, prefix, prefix_len)
   row_params = take_rows(params, owners)
+  bitmask = row_bitmask(history, owners, row_prefix, row_len)
+  history, _ = split_history(history)
   row_history = None if history is None else History(
     *(None if h is None else h[owners] for h in history))
   flat = flat.astype(compute_dtype(flat.dtype))
-  return flat, row_params, rows_edits(flat, row_params, row_history, row_prefix, row_len, None)
+  return flat, row_params, rows_edits(flat, row_params, row_history, row_prefix, row_len,
+                                      bitmask)
 
 
 def _flat_rows(logits, prefix, prefix_len, *, empty: bool = True):
@@ -93,22 +146,26 @@ def _flat_rows(logits, prefix, prefix_len, *, empty: bool = True):
                            logits.shape[:-1]).reshape(batch * count))
 
 
-def loop_history(common: Common, tokens: jax.Array, lengths: jax.Array,
-                 size: int) -> History | None:
+def loop_history(common: Common, tokens: jax.Array, lengths: jax.Array, size: int,
+                 grammar_state: jax.Array | None = None) -> History | Constrained | None:
   """Each row's :class:`~specdec_jax.History`, read from its buffer ``tokens`` ``(B, max_len)``.
 
   ``prompt_ids``: the prompt (``common.prompt_ids``, only for the repetition penalty);
   ``output_ids`` ``(B, size)``: the ``lengths - prompt_lengths`` tokens generated so far,
   oldest first, then ``-1`` (``size``: the loop's ``max_new_tokens``, the most a row
   generates). None when no parameter reads a history (known at trace time): then nothing is
-  gathered.
+  gathered. With a grammar (``common.grammar``), a :class:`Constrained` holding that history
+  and ``grammar_state`` ``(B,)``, each row's state after its output.
   """
-  if not any(getattr(common.params, f) is not None for f in HISTORY_FIELDS):
-    return None
-  rows = batch_rows(tokens.shape[0])
-  at = common.prompt_lengths[:, None] + jnp.arange(size, dtype=jnp.int32)[None]
-  output = tokens[rows[:, None], jnp.clip(at, 0, tokens.shape[1] - 1)]
-  return History(common.prompt_ids, jnp.where(at < lengths[:, None], output, -1))
+  history = None
+  if any(getattr(common.params, f) is not None for f in HISTORY_FIELDS):
+    rows = batch_rows(tokens.shape[0])
+    at = common.prompt_lengths[:, None] + jnp.arange(size, dtype=jnp.int32)[None]
+    output = tokens[rows[:, None], jnp.clip(at, 0, tokens.shape[1] - 1)]
+    history = History(common.prompt_ids, jnp.where(at < lengths[:, None], output, -1))
+  if common.grammar is None:
+    return history
+  return Constrained(history, common.grammar, grammar_state)
 
 
 def draft_prefix(proposed: jax.Array, j) -> tuple[jax.Array, jax.Array]:
@@ -185,6 +242,11 @@ def reads_lazily(logits: jax.Array, params: SamplingParams) -> bool:
                                 or needs_edits(params, None))
 
 
+def reads_lazily_under(logits: jax.Array, params: SamplingParams, history) -> bool:
+  """:func:`reads_lazily`, or a grammar masks the rows (static)."""
+  return bool(logits.size) and (reads_lazily(logits, params) or edits_needed(params, history))
+
+
 def lazy_processed(logits: jax.Array, params: SamplingParams, history: History | None = None,
                    prefix: jax.Array | None = None, prefix_len: jax.Array | None = None, *,
                    logprobs: int = 0, raw: bool = False) -> tuple[LogitRows, LogitRows]:
@@ -205,8 +267,10 @@ def lazy_processed(logits: jax.Array, params: SamplingParams, history: History |
   """
   batch, count, _ = logits.shape
   flat, owners, row_prefix, row_len = _flat_rows(logits, prefix, prefix_len, empty=False)
-  source = request_rows(flat, params, owners, history=history, prefix=row_prefix,
-                        prefix_len=row_len, logprobs=logprobs, raw=raw)
+  bitmask = row_bitmask(history, owners, row_prefix, row_len)
+  source = request_rows(flat, params, owners, history=split_history(history)[0],
+                        prefix=row_prefix, prefix_len=row_len, bitmask=bitmask,
+                        logprobs=logprobs, raw=raw)
 
   def split(a):
     return a.reshape(batch, count, *a.shape[1:])

@@ -19,6 +19,7 @@ from specdec_jax.decoding.args import auto_axes
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget
 from specdec_jax.decoding.args import check_eos
+from specdec_jax.decoding.args import check_grammar
 from specdec_jax.decoding.args import check_prompt
 from specdec_jax.decoding.args import check_same_vocab
 from specdec_jax.decoding.args import row_keys as make_row_keys
@@ -31,6 +32,7 @@ from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.data_parallel import run_loop
 from specdec_jax.decoding.draft_tree import DraftTree
 from specdec_jax.decoding.draft_tree import TreeFns
+from specdec_jax.decoding.draft_tree import node_bitmask
 from specdec_jax.decoding.draft_tree import tree_candidates
 from specdec_jax.decoding.draft_tree import tree_model_fns
 from specdec_jax.decoding.drafts import FeatureFns
@@ -42,6 +44,7 @@ from specdec_jax.decoding.dynamic_tree import draft_dynamic_tree
 from specdec_jax.decoding.request_rows import batch_rows
 from specdec_jax.decoding.request_rows import loop_history
 from specdec_jax.decoding.request_rows import model_ids
+from specdec_jax.decoding.request_rows import split_history
 from specdec_jax.decoding.tree_verifier import check_tree_args
 from specdec_jax.decoding.tree_verifier import default_tree_verifier
 from specdec_jax.decoding.tree_verifier import verify_tree
@@ -49,18 +52,21 @@ from specdec_jax.decoding.types import SpecState
 from specdec_jax.decoding.types import SpeculativeResult
 from specdec_jax.models.protocol import FeatureDraft
 from specdec_jax.models.protocol import Model
+from specdec_jax.structured.tables import Grammar
 
 
 @functools.partial(
   jax.jit,
   static_argnames=("target", "draft", "tree", "law", "tree_verifier", "max_new_tokens",
-                   "max_len", "context", "pad_id", "logprobs", "logprobs_mode"),
+                   "max_len", "context", "pad_id", "logprobs", "logprobs_mode", "structured"),
 )
 def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, row_keys, params,
-              eos_id, *, target: TreeFns, draft: TreeFns | FeatureFns,
-              tree: DraftTree | DynamicTree, law: str,
+              eos_id, grammar=None, grammar_start=None, *, target: TreeFns,
+              draft: TreeFns | FeatureFns, tree: DraftTree | DynamicTree, law: str,
               tree_verifier, max_new_tokens: int, max_len: int, context: int | None,
-              pad_id: int, logprobs: int | None = None, logprobs_mode: str = "processed"):
+              pad_id: int, logprobs: int | None = None, logprobs_mode: str = "processed",
+              structured: bool = False):
+  del structured  # static: whether `grammar` is given (the data-parallel result's specs)
   batch = prompt.shape[0]
   rows = batch_rows(batch)
   vocab = target.vocab_size
@@ -84,17 +90,18 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
   cache_len = max_len + slots_used - 1  # tree slots reach root + N - 1 <= max_len + N - 2
   common, error = make_common(row_keys, prompt, prompt_lengths, tokens_ok, params, eos_id,
                           max_new_tokens=max_new_tokens, max_len=max_len, context=context,
-                          vocab=vocab)
+                          vocab=vocab, grammar=grammar, grammar_start=grammar_start)
   prompt_lengths = common.prompt_lengths  # clipped to [1, P] (BAD_LENGTH rows)
   params = common.params  # in range (out-of-range values are flagged)
-  edits = needs_edits(params, None)  # static: some parameter adjusts the logits
+  # static: some parameter adjusts the logits, or a grammar masks them
+  edits = needs_edits(params, None) or grammar is not None
   stop_len = common.stop_len
   start = prefill_and_start(target, target_params, prompt, common, max_len, cache_len, pad_id,
                             features=is_feature, history_size=max_new_tokens,
                             logprobs=logprobs, mode=logprobs_mode)
   tokens, lengths, done, target_cache, first_error, buffers = start[:6]
   if is_feature:  # (cache, target features at positions start - 1 .. start + depth - 1, start)
-    draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[6],
+    draft_cache = feature_prefill(draft, draft_params, prompt, prompt_lengths, start[7],
                                   gamma=depth, cache_len=cache_len, vocab=vocab)
     vocab_ids = draft_params[1]
   else:
@@ -105,13 +112,20 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
   at = jnp.zeros((batch, depth), jnp.int32)
   state = SpecState(tokens, lengths, done, target_cache, draft_cache, zero + 1, zero + 1,
                      (prompt_lengths < stop_len).astype(jnp.int32), counts, counts, at, at,
-                     error | first_error, logprobs=buffers)
+                     error | first_error, logprobs=buffers, grammar=start[6],
+                     forced=None if grammar is None else jnp.zeros((batch, 2), jnp.int32))
   slots = jnp.arange(depth, dtype=jnp.int32)
   all_nodes = jnp.arange(size, dtype=jnp.int32)
   # tree_candidates over (B, nodes): params and history per row, prefixes per node.
   candidates = jax.vmap(
-    jax.vmap(tree_candidates, in_axes=(0, 0, None, None, None, None, None, None, 0, 0)),
-    in_axes=(0, 0, 0, None, None, None, None, 0, 0, 0))
+    jax.vmap(tree_candidates, in_axes=(0, 0, None, None, None, None, None, None, 0, 0, 0)),
+    in_axes=(0, 0, 0, None, None, None, None, 0, 0, 0, 0))
+
+  def node_candidates(logits, keys, history, prefix, prefix_len):
+    """:func:`tree_candidates` of ``(B, n)`` nodes (masked by each node's grammar state)."""
+    return candidates(logits, keys, params, width, law, vocab_ids, vocab,
+                      split_history(history)[0], prefix, prefix_len,
+                      node_bitmask(history, prefix, prefix_len))
 
   def node_prefix(node_tokens, nodes):
     """``(prefix (B, n, depth), length (B, n))``: the path tokens of static tree ``nodes``
@@ -166,8 +180,8 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
     node_tokens = jnp.zeros((batch, size), jnp.int32).at[:, 0].set(s.tokens[rows, root])
     # The point-mass rule never reads q: then no draft distribution is materialised.
     q = jnp.zeros((batch, size, vocab), jnp.float32) if need_q else None
-    ids, q_root = candidates(root_logits, node_keys[:, :1], params, width, law, vocab_ids, vocab,
-                             history, *node_prefix(node_tokens, np.zeros(1, np.int32)))
+    ids, q_root = node_candidates(root_logits, node_keys[:, :1], history,
+                                  *node_prefix(node_tokens, np.zeros(1, np.int32)))
     cands = jnp.zeros((batch, size, width), jnp.int32).at[:, :1].set(ids)
     q = q.at[:, :1].set(q_root) if need_q else None
     for d in range(1, depth + 1):
@@ -175,8 +189,8 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
       node_tokens = node_tokens.at[:, level].set(cands[:, parents[level], ranks[level]])
       if d < depth:  # the deepest level's candidates are never needed
         logits, carry = level_call(d, level, node_tokens, carry)
-        ids, q_level = candidates(logits, node_keys[:, level], params, width, law, vocab_ids,
-                                  vocab, history, *node_prefix(node_tokens, level))
+        ids, q_level = node_candidates(logits, node_keys[:, level], history,
+                                       *node_prefix(node_tokens, level))
         cands = cands.at[:, level].set(ids)
         q = q.at[:, level].set(q_level) if need_q else None
     return node_tokens, carry, q
@@ -190,7 +204,7 @@ def tree_loop(target_params, draft_params, prompt, prompt_lengths, tokens_ok, ro
     budget = jnp.where(active, jnp.clip(common.stop_len - s.lengths - 1, 0, depth), 0)
     step_keys = jax.vmap(jax.random.fold_in)(row_keys, s.row_calls)
     # Each row's prompt and output so far (None unless a parameter reads them).
-    history = loop_history(common, s.tokens, s.lengths, max_new_tokens)
+    history = loop_history(common, s.tokens, s.lengths, max_new_tokens, s.grammar)
     root_logits, carry, level_call = (feature_draft if is_feature else model_draft)(s, root)
     if dynamic:
       # EAGLE-2: expand the most confident candidates, score the most confident num_draft.
@@ -258,7 +272,8 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
                               law: str = "deterministic", eos_id: int | None = None,
                               max_len: int | None = None, tree_verifier: Callable | None = None,
                               pad_id: int = -1, logprobs: int | None = None,
-                              logprobs_mode: str = "processed") -> SpeculativeResult:
+                              logprobs_mode: str = "processed", grammar: Grammar | None = None,
+                              grammar_state=None) -> SpeculativeResult:
   """Exact speculative decoding with a draft *tree*, as one jitted ``lax.while_loop``.
 
   Each iteration, for every unfinished row of length ``L`` (its last token is the
@@ -329,6 +344,7 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
       generated token's, under the target row it was drawn from) and, for ``k > 0``,
       ``top_ids`` / ``top_logprobs``.
     logprobs_mode: static ``"processed"`` or ``"raw"`` (the raw logits' softmax).
+    grammar, grammar_state: as in :func:`generate` (each node masked by its path's state).
 
   Returns:
     :class:`SpeculativeResult`; in its :class:`DecodeStats` the per-position counters
@@ -371,13 +387,14 @@ def tree_speculative_generate(target: Model, draft: Model | FeatureDraft,
   contexts = (("target", target.context_length),
               ("draft", getattr(draft, "context_length", None)))
   max_len, context = check_budget(max_new_tokens, max_len, width, lengths, name, contexts)
+  grammar, grammar_state = check_grammar(grammar, grammar_state, name, batch, vocab)
   args = auto_axes((target.params, draft_params, prompt, lengths, tokens_ok,
                     make_row_keys(key, batch, name), batch_params(params, batch, name, vocab=vocab),
-                    check_eos(eos_id, name, vocab)))
+                    check_eos(eos_id, name, vocab), grammar, grammar_state))
   static = dict(target=target_fns, draft=draft_fns, tree=tree, law=law,
                 tree_verifier=tree_verifier, max_new_tokens=int(max_new_tokens), max_len=max_len,
                 context=context, pad_id=check_pad_id(name, pad_id),
                 logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
-                logprobs_mode=logprobs_mode)
-  batch_args = (False, False, True, True, True, True, True, False)
+                logprobs_mode=logprobs_mode, structured=grammar is not None)
+  batch_args = (False, False, True, True, True, True, True, False, False, True)
   return run_loop(tree_loop, SpeculativeResult, args, batch_args, static, prompt_index=2)

@@ -42,6 +42,25 @@ class DecodeStats(NamedTuple):
   tokens_per_call: jax.Array
 
 
+class GrammarOutcome(NamedTuple):
+  """What a constrained loop (``grammar=`` given) reports about each row.
+
+  Attributes:
+    state: int32 ``(B,)``: the row's grammar state after its output.
+    complete: bool ``(B,)``: the output is a whole match of the row's grammar (its state is
+      final; an unconstrained row's always is). A row cut by ``max_new_tokens`` or the buffer
+      before its text was complete is not: it ended without ``eos_id``.
+    forced: int32 ``(B,)``: draft tokens proposed for free because the grammar forced them
+      (speculative loops; 0 for :func:`generate`).
+    forced_accepted: int32 ``(B,)``: how many of those the verifier accepted.
+  """
+
+  state: jax.Array
+  complete: jax.Array
+  forced: jax.Array
+  forced_accepted: jax.Array
+
+
 class GenerateResult(NamedTuple):
   """What :func:`generate` produced.
 
@@ -67,6 +86,7 @@ class GenerateResult(NamedTuple):
     top_ids, top_logprobs: ``(B, max_len, k)`` with ``logprobs=k > 0`` (else None): the ``k``
       most likely tokens of that distribution and their logprobs (ties toward the lower id);
       ``pad_id`` and NaN where no token was generated.
+    grammar: :class:`GrammarOutcome` with ``grammar=`` (else None).
   """
 
   tokens: jax.Array
@@ -77,6 +97,7 @@ class GenerateResult(NamedTuple):
   logprobs: jax.Array | None = None
   top_ids: jax.Array | None = None
   top_logprobs: jax.Array | None = None
+  grammar: GrammarOutcome | None = None
 
 
 class SpeculativeResult(NamedTuple):
@@ -95,6 +116,7 @@ class SpeculativeResult(NamedTuple):
       logprob under the target's processed row it was drawn from (an accepted draft token's
       row, the replacement's and the bonus token's alike), with the draft tokens before it
       counted as output.
+    grammar: :class:`GrammarOutcome` with ``grammar=`` (else None).
   """
 
   tokens: jax.Array
@@ -105,6 +127,7 @@ class SpeculativeResult(NamedTuple):
   logprobs: jax.Array | None = None
   top_ids: jax.Array | None = None
   top_logprobs: jax.Array | None = None
+  grammar: GrammarOutcome | None = None
 
 
 class ModelFns(NamedTuple):
@@ -127,6 +150,8 @@ class Common(NamedTuple):
   eos_id: jax.Array  # () int32, -1 for none
   room: jax.Array  # (B,) bool: the row's budget does not fit its buffer / context
   prompt_ids: jax.Array | None = None  # (B, P) int32, -1 past the prompt: repetition penalty
+  grammar: Any = None  # structured.Grammar, or None: no row is constrained
+  grammar_start: jax.Array | None = None  # (B,) int32: each row's initial grammar state
 
 
 class Logprobs(NamedTuple):
@@ -151,6 +176,7 @@ class GenerateState(NamedTuple):
     row_calls: int32 ``(B,)``.
     error: int32 ``(B,)``.
     logprobs: :class:`Logprobs` of the tokens so far, or None when not asked for.
+    grammar: int32 ``(B,)``: each row's grammar state after its tokens, or None.
   """
 
   tokens: jax.Array
@@ -161,6 +187,7 @@ class GenerateState(NamedTuple):
   row_calls: jax.Array
   error: jax.Array
   logprobs: Logprobs | None = None
+  grammar: jax.Array | None = None
 
 
 class SpecState(NamedTuple):
@@ -185,6 +212,9 @@ class SpecState(NamedTuple):
     costs: float32 ``(gamma + 1,)`` adaptive speculation's cost of an iteration by call width
       (the host replaces it between chunks when it observes costs), or None when it is off.
     logprobs: :class:`Logprobs` of the tokens so far, or None when not asked for.
+    grammar: int32 ``(B,)``: each row's grammar state after its tokens, or None.
+    forced: int32 ``(B, 2)``: draft tokens proposed because the grammar forced them, and how
+      many of those were accepted (None without a grammar).
   """
 
   tokens: jax.Array
@@ -203,3 +233,5 @@ class SpecState(NamedTuple):
   adapt: Any = None
   costs: Any = None
   logprobs: Logprobs | None = None
+  grammar: jax.Array | None = None
+  forced: jax.Array | None = None
