@@ -116,7 +116,7 @@ def test_the_application_depends_on_nothing_above_it():
   order = ["argtypes", "tables", "template_limits", "template_env", "chat_template", "gguf",
            "tokenizer", "smollm2", "draft_training", "train_draft", "baselines", "bench_packed",
            "bench_logits", "bench_methods", "bench", "demo", "simulate", "e2e_costs", "e2e_tree",
-           "e2e_report", "e2e", "cli"]
+           "e2e_report", "e2e_structured", "e2e", "cli"]
   for path in sorted((PACKAGE / "app").glob("*.py")):
     name = path.stem
     if name == "__init__":
@@ -132,7 +132,7 @@ def test_importing_the_library_loads_no_application_module(statement):
   code = (f"{statement}; import sys; "
           "print(sorted(m for m in sys.modules if m.startswith(('specdec_jax.app', "
           "'specdec_jax.models.llama', 'specdec_jax.models.toy', 'gguf', 'tokenizers', 'jinja2', "
-          "'matplotlib', 'torch'))))")
+          "'matplotlib', 'torch', 'outlines_core', 'jsonschema'))))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]", out.stdout
 

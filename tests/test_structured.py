@@ -229,3 +229,31 @@ def test_initial_states_are_checked_on_the_host_and_flagged_under_jit():
   out = run(jnp.array([int(grammar.starts[2]), -3], jnp.int32))
   assert int(out.error[0]) == 0 and int(out.num_new[0]) == 4
   assert int(out.error[1]) & ErrorCode.GRAMMAR and int(out.num_new[1]) == 0
+
+
+def test_a_batch_split_over_a_mesh_gives_the_unsplit_tokens():
+  """Data-parallel: prompts split over a mesh axis run one loop per shard (shard_map), the
+  grammar tables replicated, each row's state its own; the result equals the unsplit run."""
+  from jax.sharding import AxisType
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  which, prompts, lengths, params = _batch()
+  rows = 8
+  which, prompts, lengths = which[:rows], prompts[:rows], lengths[:rows]
+  params = jax.tree.map(lambda a: a[:rows], params)
+  grammar = _grammar()
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+  split = NamedSharding(mesh, P("data"))
+  run = dict(max_new_tokens=24, params=params, eos_id=EOS, grammar=grammar)
+  for loop in ("plain", "lookup"):
+    outs = []
+    for shard in (False, True):
+      put = (lambda a: jax.device_put(a, split)) if shard else jnp.asarray
+      args = (put(prompts), put(lengths), jax.random.key(5))
+      state = put(np.asarray(start_states(grammar, which)))
+      outs.append(generate(TARGET, *args, grammar_state=state, **run) if loop == "plain" else
+                  speculative_generate(TARGET, PromptLookup(), *args, gamma=3,
+                                       grammar_state=state, **run))
+    np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
+    np.testing.assert_array_equal(outs[1].grammar.state, outs[0].grammar.state)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -57,3 +60,39 @@ def memory_limit() -> int:
 def gib(size: int) -> str:
   """``size`` bytes in GiB, as the messages print it."""
   return f"{size / 2**30:,.1f} GiB"
+
+
+def json_schema_file(text: str) -> dict:
+  """argparse type: a file holding a JSON Schema (checked with ``jsonschema``)."""
+  path = Path(text)
+  try:
+    schema = json.loads(path.read_text())
+  except OSError as err:
+    raise argparse.ArgumentTypeError(f"expected a readable JSON Schema file, got {text!r} "
+                                     f"({err.strerror})") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    raise argparse.ArgumentTypeError(f"expected a JSON Schema file, got {text!r}, which is not "
+                                     f"JSON ({err})") from None
+  try:
+    import jsonschema
+  except ImportError:  # pragma: no cover - installed with the structured extra's users
+    return schema
+  try:
+    jsonschema.validators.validator_for(schema).check_schema(schema)
+  except (jsonschema.SchemaError, TypeError, AttributeError) as err:
+    why = getattr(err, "message", err)
+    raise argparse.ArgumentTypeError(f"expected a valid JSON Schema, got {text!r}: {why}"
+                                     ) from None
+  return schema
+
+
+def regex_pattern(text: str) -> str:
+  """argparse type: a non-empty regular expression (syntax checked with ``re``)."""
+  if not text:
+    raise argparse.ArgumentTypeError("expected a non-empty regular expression, got ''")
+  try:
+    re.compile(text)
+  except re.error as err:
+    raise argparse.ArgumentTypeError(f"expected a regular expression, got {text!r}: {err}"
+                                     ) from None
+  return text

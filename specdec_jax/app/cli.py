@@ -18,6 +18,7 @@ and exit with 2.
 from __future__ import annotations
 
 import argparse
+import sys
 import zipfile
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -27,12 +28,16 @@ import numpy as np
 
 from specdec_jax.app import demo
 from specdec_jax.app import e2e
+from specdec_jax.app import e2e_structured
 from specdec_jax.app import simulate
 from specdec_jax.app import smollm2
 from specdec_jax.app.argtypes import gib
 from specdec_jax.app.argtypes import int_at_least
 from specdec_jax.app.argtypes import int_in
+from specdec_jax.app.argtypes import json_schema_file
 from specdec_jax.app.argtypes import memory_limit
+from specdec_jax.app.argtypes import regex_pattern
+from specdec_jax.app.gguf import GGUFError
 from specdec_jax.app.tables import banner
 from specdec_jax.models import eagle
 
@@ -226,9 +231,20 @@ def eagle_file_problem(arrays: dict[str, np.ndarray]) -> str | None:
 
 def add_e2e_arguments(parser: argparse.ArgumentParser, *, generate_command: bool) -> None:
   """Options shared by ``generate`` and ``bench-e2e``."""
+  if not generate_command:
+    parser.add_argument("--prompts", nargs="+", default=None,
+                        choices=(*e2e.PROMPTS, e2e_structured.JSON_TASK),
+                        help="the built-in prompts to run (default: all; json-extract is "
+                             "constrained by its JSON schema)")
   if generate_command:
     parser.add_argument("--prompt", required=True, type=prompt,
                         help="the user message (chat template added)")
+    grammar = parser.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", type=json_schema_file, default=None, metavar="FILE",
+                         help="constrain the answer to compact JSON valid under this JSON "
+                              "Schema (needs the structured extra: outlines-core)")
+    grammar.add_argument("--regex", type=regex_pattern, default=None, metavar="PATTERN",
+                         help="constrain the answer to text that fully matches PATTERN")
   parser.add_argument("--draft", nargs="+", default=list(e2e.DRAFTS), choices=e2e.DRAFTS,
                       help="drafts to compare with plain decoding (default: all); the first "
                            "one's output is streamed first; -adaptive: adaptive speculation")
@@ -277,12 +293,51 @@ def _e2e_demo_defaults() -> argparse.Namespace:
 
 def run_generate(args: argparse.Namespace) -> int:
   """``generate``: plain and speculative decoding of the user's prompt on SmolLM2."""
-  return e2e.run_cli(args, prompts={"prompt": args.prompt})
+  grammar = {k: v for k, v in (("schema", args.json_schema), ("regex", args.regex))
+             if v is not None}
+  return run_e2e_cli(args, {"prompt": args.prompt}, {"prompt": grammar} if grammar else {})
 
 
 def run_e2e(args: argparse.Namespace) -> int:
-  """``bench-e2e``: the built-in prompts, every draft, greedy and sampled, timed."""
-  return e2e.run_cli(args, prompts=e2e.PROMPTS)
+  """``bench-e2e``: the built-in prompts and the JSON-extraction task, every draft, greedy and
+  sampled, timed."""
+  prompts = {**e2e.PROMPTS, e2e_structured.JSON_TASK: e2e_structured.JSON_PROMPT}
+  chosen = getattr(args, "prompts", None) or list(prompts)
+  grammars = {e2e_structured.JSON_TASK: {
+    "schema": e2e_structured.JSON_SCHEMA,
+    "max_new_tokens": max(args.max_new_tokens, e2e_structured.JSON_MAX_NEW_TOKENS)}}
+  return run_e2e_cli(args, {name: prompts[name] for name in chosen},
+                     {name: g for name, g in grammars.items() if name in chosen})
+
+
+def run_e2e_cli(args: argparse.Namespace, prompts: dict[str, str],
+                grammars: dict[str, dict]) -> int:
+  """Load SmolLM2, compile the prompts' grammars (``{"schema": ...}`` or ``{"regex": ...}``)
+  over its vocabulary, check every prompt fits, then run :func:`.e2e.run_suite`. Exit 2 on
+  an expected failure before any generation (no model, a grammar outlines-core cannot
+  compile, a prompt past the context); 1 when a constrained output is not valid."""
+  try:
+    setup = e2e.Setup(eagle_weights=getattr(args, "eagle_weights", smollm2.EAGLE_WEIGHTS),
+                      drafts=args.draft)
+    constraints = {name: e2e_structured.build(setup.tokenizer, **grammar)
+                   for name, grammar in grammars.items()}
+  except (ImportError, FileNotFoundError, GGUFError, ValueError) as err:
+    print(f"error: {err}", file=sys.stderr)  # no model extra, weights, bad file or grammar
+    return 2
+  context = setup.config.max_position
+  for label, text in prompts.items():
+    need = len(setup.encode(text)) + args.max_new_tokens
+    if need > context:
+      what = "the prompt" if label == "prompt" else f"the {label} prompt"
+      print(f"error: {what} ({need - args.max_new_tokens} tokens with the chat "
+            f"template) plus --max-new-tokens {args.max_new_tokens} exceeds the model's context "
+            f"of {context} tokens; shorten the prompt or lower --max-new-tokens", file=sys.stderr)
+      return 2
+  e2e.run_suite(setup, prompts=prompts, drafts=args.draft, temperatures=args.temperature,
+                gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                seed=args.seed, verifiers=args.verifier, tree=args.tree, seeds=args.seeds,
+                constraints=constraints)
+  return 0 if setup.valid else 1
 
 
 def run_all(args: argparse.Namespace) -> int:

@@ -33,7 +33,6 @@ takes any other :class:`~specdec_jax.models.Model` as a draft just the same.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from specdec_jax import SamplingParams
 from specdec_jax import generate
 from specdec_jax import speculative_generate
 from specdec_jax import tree_speculative_generate
+from specdec_jax.app import e2e_structured
 from specdec_jax.app import e2e_tree
 from specdec_jax.app import smollm2
 from specdec_jax.app.e2e_costs import DEFAULT_GAMMA
@@ -63,7 +63,6 @@ from specdec_jax.app.e2e_costs import timed
 from specdec_jax.app.e2e_report import Run
 from specdec_jax.app.e2e_report import report
 from specdec_jax.app.e2e_report import summarize
-from specdec_jax.app.gguf import GGUFError
 from specdec_jax.models.llama import make_model
 from specdec_jax.models.protocol import Model
 
@@ -142,6 +141,7 @@ class Setup:
                                                      name=self.target.name)
     self.policies: dict[str, AdaptiveSpeculation] = {}
     self.sized: dict[float, e2e_tree.Sized] = {}  # eagle+sized, by temperature (run_suite)
+    self.valid = True  # every constrained output was valid (run_suite)
 
   def target_for(self, draft: str) -> Model:
     """The target a draft runs with: :attr:`feature_target` for the eagle draft (the same
@@ -158,8 +158,9 @@ class Setup:
 
 def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temperature: float,
                max_new_tokens: int, seed: int, verifier: str,
-               tree: tuple[int, ...] | None = None):
-  """``(call, prompt_length)``: a no-argument function that runs one generation."""
+               tree: tuple[int, ...] | None = None, grammar=None):
+  """``(call, prompt_length)``: a no-argument function that runs one generation (under
+  ``grammar``, a :class:`~specdec_jax.structured.Grammar`, when given)."""
   ids = setup.encode(prompt_text)
   prompt = jnp.asarray([ids], jnp.int32)
   lengths = jnp.asarray([len(ids)], jnp.int32)
@@ -173,11 +174,12 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
   if draft == "plain":
     def call():
       return generate(setup.target, prompt, lengths, key, max_new_tokens=max_new_tokens,
-                      params=params, eos_id=eos)
+                      params=params, eos_id=eos, grammar=grammar)
   elif verifier in ("sized", "dynamic") and setup.sized[temperature].kind != "tree":
     return _make_call(setup, prompt_text, "plain" if setup.sized[temperature].kind == "plain"
                       else base, gamma=setup.sized[temperature].gamma, temperature=temperature,
-                      max_new_tokens=max_new_tokens, seed=seed, verifier="token")
+                      max_new_tokens=max_new_tokens, seed=seed, verifier="token",
+                      grammar=grammar)
   elif verifier in ("tree", "sized", "dynamic"):
     shape = {"sized": lambda: setup.sized[temperature].tree,
              "dynamic": lambda: e2e_tree.dynamic_tree(setup.sized[temperature]),
@@ -186,13 +188,13 @@ def _make_call(setup: Setup, prompt_text: str, draft: str, *, gamma: int, temper
     def call():
       return tree_speculative_generate(setup.target_for(base), setup.drafts[base], prompt,
                                        lengths, key, tree=shape, max_new_tokens=max_new_tokens,
-                                       params=params, eos_id=eos)
+                                       params=params, eos_id=eos, grammar=grammar)
   else:
     def call():
       return speculative_generate(setup.target_for(base), setup.drafts[base], prompt, lengths,
                                   key, gamma=gamma, max_new_tokens=max_new_tokens,
                                   params=params, eos_id=eos, verifier=verifier,
-                                  adaptive=adaptive)
+                                  adaptive=adaptive, grammar=grammar)
   return call, len(ids)
 
 
@@ -211,13 +213,17 @@ def _to_run(setup: Setup, result, prompt_len: int, *, prompt: str, draft: str,
                                         np.asarray(stats.accepted_at[0]))
     run.tokens_per_call = float(stats.tokens_per_call[0])
     run.proposals = int(stats.proposals[0])
+  if result.grammar is not None:
+    run.forced, run.forced_accepted = (int(result.grammar.forced[0]),
+                                       int(result.grammar.forced_accepted[0]))
+    run.complete = bool(result.grammar.complete[0])
   return run
 
 
 def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: Sequence[str], *,
                      gamma: int | None, temperature: float, max_new_tokens: int, seed: int,
                      repeats: int, verifiers: Sequence[str] = ("token",),
-                     tree: tuple[int, ...] | None = None) -> list[Run]:
+                     tree: tuple[int, ...] | None = None, grammar=None) -> list[Run]:
   """Plain decoding and every draft (with every verifier) on one request, timed side by side.
 
   Every variant is compiled and run once first; then ``repeats`` rounds time each
@@ -235,7 +241,8 @@ def run_side_by_side(setup: Setup, prompt_name: str, prompt_text: str, drafts: S
     g = 1 if name == "plain" else draft_gamma(name, gamma)
     calls[name], prompt_len = _make_call(setup, prompt_text, name, gamma=g,
                                          temperature=temperature, max_new_tokens=max_new_tokens,
-                                         seed=seed, verifier="token", tree=tree)
+                                         seed=seed, verifier="token", tree=tree,
+                                         grammar=grammar)
     results[name], compile_s[name], _ = timed(calls[name], 0)
   times: dict[str, list[float]] = {name: [] for name in variants}
   for _ in range(max(repeats, 1)):
@@ -276,15 +283,18 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
               temperatures: Sequence[float], gamma: int | None, max_new_tokens: int,
               repeats: int,
               seed: int, verifiers: Sequence[str] = ("token",), show_text: bool = True,
-              tree: tuple[int, ...] | None = None, seeds: int = 1,
+              tree: tuple[int, ...] | None = None, seeds: int = 1, constraints=None,
               out=sys.stdout) -> tuple[list[Run], Costs]:
   """Plain and speculative decoding for every prompt, temperature and draft; prints as it goes.
 
   With ``seeds > 1`` every sampled (temperature > 0) request is also run with the seeds
   ``seed + 1 .. seed + seeds - 1``, and a summary averages tokens per target call and
   speed-up over the seeds (greedy requests do not depend on the seed). The main table
-  shows the runs with ``seed``; all runs are returned.
+  shows the runs with ``seed``; all runs are returned. ``constraints``: prompt name ->
+  :class:`~specdec_jax.app.e2e_structured.Constraint` for the prompts whose output a grammar
+  constrains (every output checked, :func:`~specdec_jax.app.e2e_structured.report`).
   """
+  constraints = constraints or {}
   missing = [d for d in drafts if not setup.has(d)]
   if missing:
     print(f"  left out (not available): {', '.join(missing)}", file=out, flush=True)
@@ -308,15 +318,18 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
   if show_text and drafts:
     for name, text in prompts.items():
       stream_generation(setup, name, text, drafts[0], gamma=draft_gamma(drafts[0], gamma),
-                        temperature=temperatures[0],
-                        max_new_tokens=max_new_tokens, seed=seed, out=out)
+                        temperature=temperatures[0], max_new_tokens=_budget(
+                          constraints, name, max_new_tokens), seed=seed,
+                        out=out, grammar=_grammar(constraints, name))
   runs: list[Run] = []
   for name, text in prompts.items():
     for temperature in temperatures:
       for k in range(max(seeds, 1) if temperature > 0 else 1):
         group = run_side_by_side(setup, name, text, drafts, gamma=gamma,
-                                 temperature=temperature, max_new_tokens=max_new_tokens,
-                                 seed=seed + k, repeats=repeats, verifiers=verifiers, tree=tree)
+                                 temperature=temperature,
+                                 max_new_tokens=_budget(constraints, name, max_new_tokens),
+                                 seed=seed + k, repeats=repeats, verifiers=verifiers, tree=tree,
+                                 grammar=_grammar(constraints, name))
         for run in group:
           run.seed = seed + k
         runs.extend(group)
@@ -331,12 +344,27 @@ def run_suite(setup: Setup, *, prompts: dict[str, str], drafts: Sequence[str],
   if seeds > 1:
     print(file=out)
     summarize(runs, out=out)
+  if constraints:
+    print(file=out)
+    setup.valid = e2e_structured.report(runs, constraints, costs, gamma=max(
+      draft_gamma(d, gamma) for d in drafts) if drafts else 1, vocab=setup.config.vocab_size,
+      out=out)
   return runs, costs
+
+
+def _grammar(constraints, name: str):
+  return constraints[name].grammar if name in constraints else None
+
+
+def _budget(constraints, name: str, max_new_tokens: int) -> int:
+  """A constrained prompt's own token budget (room for its whole answer), else the run's."""
+  return constraints[name].max_new_tokens or max_new_tokens if name in constraints else (
+    max_new_tokens)
 
 
 def stream_generation(setup: Setup, prompt_name: str, prompt_text: str, draft: str, *, gamma: int,
                       temperature: float, max_new_tokens: int, seed: int, out=sys.stdout,
-                      chunk_iterations: int = 2):
+                      chunk_iterations: int = 2, grammar=None):
   """Generate once with ``draft`` and print the text as it is produced (streamed chunks)."""
   ids = setup.encode(prompt_text)
   base = draft.partition("+")[0]
@@ -357,30 +385,5 @@ def stream_generation(setup: Setup, prompt_name: str, prompt_text: str, draft: s
                        jax.random.key(seed), gamma=gamma, max_new_tokens=max_new_tokens,
                        params=SamplingParams(temperature=jnp.float32(temperature)),
                        eos_id=setup.tokenizer.eos_id, adaptive=adaptive, on_tokens=show,
-                       chunk_iterations=chunk_iterations)
+                       chunk_iterations=chunk_iterations, grammar=grammar)
   print("\n", file=out, flush=True)
-
-
-def run_cli(args: argparse.Namespace, *, prompts: dict[str, str] | None = None) -> int:
-  """Entry point of ``generate`` and ``bench-e2e``."""
-  try:
-    setup = Setup(eagle_weights=getattr(args, "eagle_weights", smollm2.EAGLE_WEIGHTS),
-                  drafts=args.draft)
-  except (ImportError, FileNotFoundError, GGUFError) as err:  # no model extra, weights, or bad file
-    print(f"error: {err}", file=sys.stderr)
-    return 2
-  if prompts is None:
-    prompts = {"prompt": args.prompt}
-  context = setup.config.max_position
-  for label, text in prompts.items():
-    need = len(setup.encode(text)) + args.max_new_tokens
-    if need > context:
-      what = "the prompt" if label == "prompt" else f"the {label} prompt"
-      print(f"error: {what} ({need - args.max_new_tokens} tokens with the chat "
-            f"template) plus --max-new-tokens {args.max_new_tokens} exceeds the model's context "
-            f"of {context} tokens; shorten the prompt or lower --max-new-tokens", file=sys.stderr)
-      return 2
-  run_suite(setup, prompts=prompts, drafts=args.draft, temperatures=args.temperature,
-            gamma=args.gamma, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-            seed=args.seed, verifiers=args.verifier, tree=args.tree, seeds=args.seeds)
-  return 0

@@ -38,6 +38,9 @@ class Run:
   proposals: int = 0
   iteration_ms: float = 0.0  # eagle+sized/+dynamic: the planned cost of an iteration, of a plain
   plain_ms: float = 0.0  # decoding step in the same units (its prediction)
+  forced: int = 0  # structured output: proposals the grammar forced (drafted for free)
+  forced_accepted: int = 0  # of those, accepted
+  complete: bool = True  # structured output: the text is a whole match of the grammar
 
 
 def report(runs: Sequence[Run], costs: Costs, out=sys.stdout) -> None:

