@@ -75,6 +75,8 @@ T_TEMPLATE = "tests/app/test_chat_template.py"
 T_SURFACE = "tests/test_sampling_surface.py"
 T_SAMPLING_LOOPS = "tests/decoding/test_sampling_loops.py"
 T_SLOTS = "tests/test_agreement.py::test_verify_matches_reference_slot_for_slot_at_one_shape"
+T_STRUCT_LOOPS = "tests/decoding/test_structured_loops.py"
+T_STRUCT = "tests/test_structured.py"
 
 #: The curated mutants. Keep each selection small: a mutant run should take well under 2 minutes.
 MUTANTS: tuple[Mutant, ...] = (
@@ -346,8 +348,8 @@ MUTANTS: tuple[Mutant, ...] = (
      "packed: a greedy request's every error cleared, not only an unfilled draft row's",
      "tests/test_packed.py", "-k", "unfilled"),
   _m("loop-length-unclipped", "decoding/common.py",
-     "  stop_len = jnp.where(bad_length, prompt_lengths, jnp.minimum(want, capacity))",
-     "  stop_len = jnp.minimum(want, capacity)",
+     "  stop_len = jnp.where(bad_length | bad_start, prompt_lengths, jnp.minimum(want, capacity))",
+     "  stop_len = jnp.where(bad_start, prompt_lengths, jnp.minimum(want, capacity))",
      "loops: a row with a traced prompt length outside [1, P] still generates (flagged, but "
      "its tokens read as output)", "tests/test_reliability.py", "-k", "prompt_lengths_outside"),
   _m("loop-eos-minus-one-is-none", "decoding/args.py",
@@ -742,6 +744,42 @@ MUTANTS: tuple[Mutant, ...] = (
      'if drafts is None or any(d.startswith("eagle") for d in drafts):', "if True:",
      "the EAGLE draft is loaded whatever --draft says", "tests/app/test_cli.py", "-k",
      "loaded_only_when"),
+  # --- structured generation (issue 46) -------------------------------------------------------
+  _m("grammar-walk-ignores-count", "structured/tables.py",
+     "    new = jnp.where(i < count, next_state(grammar, s, token), s)",
+     "    new = next_state(grammar, s, token)",
+     "grammar: the state walks past the tokens that were not emitted (no rollback)",
+     T_STRUCT_LOOPS, "-k", "law and (model or plain)"),
+  _m("grammar-mask-ignores-draft-prefix", "decoding/request_rows.py",
+     "  return jax.vmap(lambda s, p, n: prefix_state(constrained.grammar, s, p, n))(",
+     "  return jax.vmap(lambda s, p, n: s)(",
+     "grammar: every row masked by the state before the draft prefix (the bonus row included)",
+     T_STRUCT_LOOPS, "-k", "law and model"),
+  _m("grammar-forced-token-keeps-draft-q", "decoding/constrained.py",
+     "          jnp.where((forced >= 0)[:, None], hot, probs))",
+     "          probs)",
+     "forced tokens: proposed while the verifier is told the draft's own q", T_STRUCT_LOOPS,
+     "-k", "law and model"),
+  _m("grammar-state-after-all-slots", "decoding/common.py",
+     "  state = states[batch_rows(states.shape[0]), written]",
+     "  state = states[:, -1]",
+     "grammar: the state after every slot of the result, not after the tokens written",
+     T_STRUCT_LOOPS, "-k", "law and plain"),
+  _m("grammar-eos-everywhere", "structured/compile.py",
+     "  next_state[:, token_class[eos_id]] = np.where(final, np.arange(keep.size), -1)",
+     "  next_state[:, token_class[eos_id]] = np.arange(keep.size)",
+     "compiled grammar: EOS allowed before the text is complete", T_STRUCT, "-k",
+     "agree_with_their_masks"),
+  _m("grammar-bad-start-generates", "decoding/common.py",
+     "  stop_len = jnp.where(bad_length | bad_start, prompt_lengths, jnp.minimum(want, capacity))",
+     "  stop_len = jnp.where(bad_length, prompt_lengths, jnp.minimum(want, capacity))",
+     "loops: a row whose traced grammar state is outside the table still generates (flagged)",
+     T_STRUCT, "-k", "flagged_under_jit"),
+  _m("grammar-stack-no-offset", "structured/tables.py",
+     "np.where(c.next_state >= 0, c.next_state + offset, -1)",
+     "np.where(c.next_state >= 0, c.next_state, -1)",
+     "stacked grammars: a second grammar's next states point into the first's",
+     T_STRUCT, "-k", "validates and plain"),
   # --- multi-device and multi-host --------------------------------------------------------
   _m("loop-not-data-parallel", "decoding/data_parallel.py",
      "  split = batch_axis(args[prompt_index])\n  if split is None:",
