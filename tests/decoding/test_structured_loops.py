@@ -9,8 +9,9 @@ is sound but not complete: after ``a`` it allows ``b`` but not ``ba``, though ``
 ``abab``; the law follows the tables, the grammar plain sampling uses.) Every loop (plain,
 chain with a model draft, prompt lookup, a static iid tree, EAGLE-2's dynamic tree) is
 checked against it by chi-square with fixed seeds at a family-wise ``ALPHA = 0.01``
-(Bonferroni over the five). The grammar forces tokens here (``b`` after ``a``, EOS after
-``c``): the chain loops propose them with a point-mass ``q``.
+(Bonferroni over the five and a sixth: forced text two tokenizations spell, ``(c|ba)ab(c|ba)+``).
+The grammar forces tokens here (``b`` after ``a``, EOS after ``c``): the chain loops propose
+them with a point-mass ``q``.
 
 Negative controls, each rejected at ``p < 1e-6``: the bonus position left unmasked, the draft
 sampled outside the mask (its ``q`` reported masked), and the grammar state not rolled back
@@ -47,7 +48,7 @@ from specdec_jax.structured import walk
 from specdec_jax.theory import chi_square_test
 from tests._helpers import sequence_index
 
-ALPHA = 0.01  # family-wise over the five loops
+ALPHA = 0.01  # family-wise over the five loops and the forced-text test
 V, EOS, NEW, GAMMA = 6, 5, 5, 2
 TOKENS = [b"a", b"b", b"ab", b"c", b"ba", None]
 LANGUAGE = {b"".join(p) + c for n in (1, 2, 3)
@@ -68,6 +69,10 @@ def _encode(text: str) -> list[int]:
 
 COMPILED = compile_regex(REGEX, TOKENS, EOS, encode=_encode)
 GRAMMAR = stack_grammars([COMPILED], V)
+#: Forced text with two spellings: every text starts "ab", spelled ``a`` + ``b`` or ``ab``; the
+#: grammar proposes ``a`` (a point mass) where the target may prefer ``ab``.
+FORCED_TEXT = compile_regex(r"(c|ba)ab(c|ba)+", TOKENS, EOS, encode=_encode)
+COMPILED_BY_NAME = {"regex": COMPILED, "forced": FORCED_TEXT}
 TARGET = make_toy_model(jax.random.key(30), V, scale=1.5, name="target")
 DRAFT = make_toy_model(jax.random.key(31), V, context=1, scale=1.5, name="draft")
 FEATURES = make_toy_feature_draft(TARGET, noise=1.0, key=jax.random.key(32))
@@ -84,12 +89,12 @@ def language_mask(text: bytes) -> np.ndarray:
   return mask
 
 
-def table_mask(tokens) -> np.ndarray:
+def table_mask(tokens, compiled=COMPILED) -> np.ndarray:
   """bool ``(V,)``: what the compiled tables allow after ``tokens`` (host NumPy walk)."""
-  state = COMPILED.initial_state
+  state = compiled.initial_state
   for t in tokens:
-    state = COMPILED.next_state[state, COMPILED.token_class[t]]
-  return COMPILED.next_state[state, COMPILED.token_class] >= 0
+    state = compiled.next_state[state, compiled.token_class[t]]
+  return compiled.next_state[state, compiled.token_class] >= 0
 
 
 def test_the_tables_are_sound_and_eos_exact():
@@ -114,8 +119,10 @@ def text_of(tokens) -> bytes:
 
 
 @functools.cache
-def exact_law() -> np.ndarray:
-  """P(outcome) over the ``V ** NEW`` sequences (after EOS every slot reads EOS)."""
+def exact_law(name: str = "regex") -> np.ndarray:
+  """P(outcome) over the ``V ** NEW`` sequences (after EOS every slot reads EOS) under the
+  grammar ``COMPILED_BY_NAME[name]``."""
+  compiled = COMPILED_BY_NAME[name]
   conts = np.array(list(itertools.product(range(V), repeat=NEW)), np.int32)
   seqs = np.concatenate([np.tile(PROMPT, (len(conts), 1)), conts], axis=1)
   positions = np.broadcast_to(np.arange(seqs.shape[1], dtype=np.int32), seqs.shape)
@@ -130,7 +137,7 @@ def exact_law() -> np.ndarray:
         p *= cont[i] == EOS
         continue
       row = np.exp(logits[n, len(PROMPT) - 1 + i] - logits[n, len(PROMPT) - 1 + i].max())
-      row = np.where(table_mask(cont[:i]), row, 0.0)
+      row = np.where(table_mask(cont[:i], compiled), row, 0.0)
       p *= row[cont[i]] / row.sum()
       ended = cont[i] == EOS
       if p == 0:
@@ -139,10 +146,10 @@ def exact_law() -> np.ndarray:
   return law / law.sum()
 
 
-def _run(kind: str, key: jax.Array, params=PARAMS, rows: int = ROWS):
+def _run(kind: str, key: jax.Array, params=PARAMS, rows: int = ROWS, grammar=GRAMMAR):
   prompts = np.tile(PROMPT, (rows, 1))
   lengths = np.full((rows,), len(PROMPT), np.int32)
-  run = dict(max_new_tokens=NEW, params=params, eos_id=EOS, grammar=GRAMMAR)
+  run = dict(max_new_tokens=NEW, params=params, eos_id=EOS, grammar=grammar)
   if kind == "plain":
     return generate(TARGET, prompts, lengths, key, **run)
   if kind == "tree":
@@ -163,11 +170,11 @@ def _out(kind: str):
   return _run(kind, jax.random.key(900 + KINDS.index(kind)))
 
 
-def _chi_square(out) -> tuple[float, str]:
+def _chi_square(out, name: str = "regex") -> tuple[float, str]:
   new = np.asarray(out.tokens)[:, len(PROMPT):len(PROMPT) + NEW]
   new = np.where(new < 0, EOS, new)  # pad after EOS
   counts = np.bincount(sequence_index(new, V), minlength=V ** NEW)
-  _, _, pvalue, detail = chi_square_test(counts, exact_law())
+  _, _, pvalue, detail = chi_square_test(counts, exact_law(name))
   return pvalue, detail
 
 
@@ -197,7 +204,24 @@ def test_constrained_sequences_follow_the_enumerated_law(kind):
     forced, taken = np.asarray(out.grammar.forced), np.asarray(out.grammar.forced_accepted)
     assert forced.sum() > ROWS / 2 and 0 < taken.sum() <= forced.sum()
   pvalue, detail = _chi_square(out)
-  assert pvalue >= ALPHA / len(KINDS), f"{kind}: chi-square p = {pvalue:.3g}; {detail}"
+  assert pvalue >= ALPHA / (len(KINDS) + 1), f"{kind}: chi-square p = {pvalue:.3g}; {detail}"
+
+
+def test_forced_text_proposals_follow_the_law():
+  """Forced text two tokenizations spell (``ab`` after ``c`` or ``ba``): the chain proposes the
+  grammar's ``a`` with a point-mass ``q`` (not the draft's masked draw over ``a`` and ``ab``);
+  the target takes
+  ``ab`` often enough that some are rejected, and the law of whole sequences is still plain
+  constrained sampling's (chi-square at ALPHA / 6)."""
+  grammar = stack_grammars([FORCED_TEXT], V)
+  assert int(FORCED_TEXT.forced[FORCED_TEXT.next_state[0, FORCED_TEXT.token_class[3]]]) == 0
+  assert table_mask([3], FORCED_TEXT)[[0, 2]].all()  # after "c": "a" (forced) or "ab"
+  out = _run("model", jax.random.key(990), grammar=grammar)
+  np.testing.assert_array_equal(out.error, 0)
+  forced, taken = np.asarray(out.grammar.forced), np.asarray(out.grammar.forced_accepted)
+  assert 0 < taken.sum() < forced.sum()
+  pvalue, detail = _chi_square(out, "forced")
+  assert pvalue >= ALPHA / (len(KINDS) + 1), f"forced text: chi-square p = {pvalue:.3g}; {detail}"
 
 
 def test_the_forced_tokens_are_the_grammars():
