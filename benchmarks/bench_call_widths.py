@@ -1,6 +1,6 @@
 """What one SmolLM2 target call costs on 1, 2, 4 tokens, and four ways of computing it.
 
-``python tools/bench_call_widths.py [--widths 1 2 4] [--rounds 5]``: batch 1, a 512-slot KV
+``python benchmarks/bench_call_widths.py [--widths 1 2 4] [--rounds 5]``: batch 1, a 512-slot KV
 cache, 16 calls per jitted ``fori_loop`` (each call's argmax feeds the next, the cache carried
 as in a decoding loop); every variant is compiled first, then timed in turn each round
 (medians, :func:`~specdec_jax.app.e2e_costs.timed_together`), so the ratios are side by side.

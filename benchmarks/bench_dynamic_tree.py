@@ -1,6 +1,6 @@
 """Tokens per target call and time of the learned draft's chain, static tree and dynamic trees.
 
-``python tools/bench_dynamic_tree.py [--max-new-tokens 64] [--temperature 0] [--repeats 3]``:
+``python benchmarks/bench_dynamic_tree.py [--max-new-tokens 64] [--temperature 0] [--repeats 3]``:
 SmolLM2-135M-Instruct with the committed EAGLE draft on ``bench-e2e``'s two prompts; plain
 decoding, the chain (gamma 2), the static ``(4, 1)`` tree and :class:`~specdec_jax.DynamicTree`
 (EAGLE-2) at several budgets, every variant compiled first, then timed in turn each round

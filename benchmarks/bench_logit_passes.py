@@ -1,7 +1,7 @@
 """Where verification from logits spends its time: the row statistics against the rest, and the
 exp pass against a plain read (issue 22's breakdown).
 
-``python tools/bench_logit_passes.py``: one packed batch of ``make bench``'s logits section
+``python benchmarks/bench_logit_passes.py``: one packed batch of ``make bench``'s logits section
 (B = 64, V = 32,000, LM-like rows, per-request temperature, draft logits), every piece jitted and
 timed interleaved with the others (medians of 20 calls), so the ratios are side by side.
 """

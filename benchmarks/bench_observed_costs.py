@@ -1,6 +1,6 @@
 """Side by side on SmolLM2: plain decoding, adaptive speculation with constant vs observed costs.
 
-Usage: ``.venv/bin/python tools/bench_observed_costs.py [busy]`` (``busy``: one CPU-bound process
+Usage: ``python benchmarks/bench_observed_costs.py [busy]`` (``busy``: one CPU-bound process
 runs beside it). Prints one line per prompt, temperature and variant: ms per token and speed-up
 over plain decoding, measured side by side (one compiling run, then 3 rounds, medians).
 """

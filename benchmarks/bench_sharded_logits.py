@@ -1,7 +1,7 @@
 """Vocabulary-sharded logits: the row statistics with each shard's candidates gathered and merged,
 against the bisection with scalar collectives they replace (issue 22, item 4).
 
-``python tools/bench_sharded_logits.py [--devices N]``: one packed batch of ``make bench``'s
+``python benchmarks/bench_sharded_logits.py [--devices N]``: one packed batch of ``make bench``'s
 logits section (B = 64, gamma = 4, V = 32,000, target and draft rows) split over ``N`` host
 devices (default 2, one per core here; the devices share this machine's cores, so the figures
 show the work and the number of collectives, not a real interconnect). Per parameter mix and

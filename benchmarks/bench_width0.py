@@ -1,6 +1,6 @@
 """What a decoding loop costs when its adaptive policy never proposes, against plain decoding.
 
-``python tools/bench_width0.py [--max-new-tokens 48] [--repeats 5]``: SmolLM2-135M-Instruct,
+``python benchmarks/bench_width0.py [--max-new-tokens 48] [--repeats 5]``: SmolLM2-135M-Instruct,
 greedy, on a short open-ended prompt: plain decoding, then the chain loop with prompt lookup and
 with the committed EAGLE draft under an ``AdaptiveSpeculation`` whose ``fixed_cost`` (1e6) makes
 every iteration propose nothing. Every variant is compiled first, then timed in turn each round

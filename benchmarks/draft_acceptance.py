@@ -1,6 +1,6 @@
 """Acceptance of EAGLE drafts on bench-e2e's prompts, side by side, without timing.
 
-``python tools/draft_acceptance.py [WEIGHTS.npz ...] [--gamma 4]``: SmolLM2-135M-Instruct, the
+``python benchmarks/draft_acceptance.py [WEIGHTS.npz ...] [--gamma 4]``: SmolLM2-135M-Instruct, the
 committed draft and each given one (what ``python -m specdec_jax.app.train_draft`` writes; a
 draft trained with ``--fused`` runs with the target that computes its fused features), 4 copies
 of each of bench-e2e's prompts, 96 new tokens, greedy and at temperature 0.7 (key 1). Prints the

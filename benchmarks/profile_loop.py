@@ -1,6 +1,6 @@
 """Where a SmolLM2 decoding loop's time goes: XLA's op time by part of the loop and source line.
 
-``python tools/profile_loop.py [--loop plain|lookup|eagle|lookup-adaptive|eagle-adaptive]
+``python benchmarks/profile_loop.py [--loop plain|lookup|eagle|lookup-adaptive|eagle-adaptive]
 [--prompt open-ended] [--temperature 0] [--gamma N] [--max-new-tokens 96] [--top 20]
 [--profiles 3]``: the loop is compiled, timed (median of 3 runs), then run ``--profiles`` times
 under ``jax.profiler`` (its Python tracer off: with it the trace can hang), each run in a trace

@@ -12,22 +12,18 @@ from specdec_jax._adapter import sample
 from specdec_jax._adapter import speculative_step
 from specdec_jax._adjust import History
 from specdec_jax._block import block_verify
-from specdec_jax._block import block_verify_with_key
 from specdec_jax._engine import engine_params
 from specdec_jax._engine import flat_tokens
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import describe_error
 from specdec_jax._from_logits import tree_verify_logits
-from specdec_jax._from_logits import tree_verify_logits_with_key
 from specdec_jax._from_logits import verify_logits
-from specdec_jax._from_logits import verify_logits_with_key
 from specdec_jax._logits import DraftSample
 from specdec_jax._logits import SamplingParams
 from specdec_jax._logits import process_logits
 from specdec_jax._logits import sample_draft
 from specdec_jax._packed import PackedVerifyResult
 from specdec_jax._packed import packed_verify
-from specdec_jax._packed_tree import PackedTreeResult
 from specdec_jax._packed_tree import PackedTreeVerifyResult
 from specdec_jax._packed_tree import packed_tree_verify
 from specdec_jax._request import bitmask_from_ids
@@ -39,10 +35,8 @@ from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
 from specdec_jax._tree import TreeVerifyResult
 from specdec_jax._tree import tree_verify
-from specdec_jax._tree import tree_verify_with_key
 from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
-from specdec_jax._verify import verify_with_key
 from specdec_jax._vocab_parallel import vocab_parallel_tree_verify
 from specdec_jax._vocab_parallel import vocab_parallel_verify
 from specdec_jax._vocab_parallel_packed import vocab_parallel_packed_tree_verify
@@ -77,7 +71,6 @@ __all__ = (
   "GrammarOutcome",
   "History",
   "Model",
-  "PackedTreeResult",
   "PackedTreeVerifyResult",
   "PackedVerifyResult",
   "PromptLookup",
@@ -91,7 +84,6 @@ __all__ = (
   "bitmask_from_ids",
   "bitmask_from_mask",
   "block_verify",
-  "block_verify_with_key",
   "describe_error",
   "engine_params",
   "flat_tokens",
@@ -113,12 +105,8 @@ __all__ = (
   "tree_speculative_generate",
   "tree_verify",
   "tree_verify_logits",
-  "tree_verify_logits_with_key",
-  "tree_verify_with_key",
   "verify",
   "verify_logits",
-  "verify_logits_with_key",
-  "verify_with_key",
   "vocab_parallel_packed_tree_verify",
   "vocab_parallel_packed_verify",
   "vocab_parallel_tree_verify",

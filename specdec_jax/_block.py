@@ -38,8 +38,6 @@ from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import public_jit
 from specdec_jax._errors import psum_if
 from specdec_jax._errors import stop_row_error
-from specdec_jax._keys import entry_name
-from specdec_jax._keys import key_twin
 from specdec_jax._logprobs import check_logprobs
 from specdec_jax._logprobs import finish_emitted
 from specdec_jax._params import check_bitmask
@@ -254,15 +252,14 @@ def block_verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike,
   uniforms of positions ``< n``, and every full row read (finite, non-negative, sums to 1);
   ``valid``/``error`` report problems and returned ids are always in ``[0, V)``.
 
-  Multi-host: see the README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     p: ``(gamma + 1, V)`` floating target distributions.
     q: ``(gamma, V)`` floating draft distributions (what ``draft`` was sampled from).
     draft: ``(gamma,)`` integer token ids in ``[0, V)``.
     uniforms: ``(gamma + 1,)`` floating, each in ``[0, 1)``; or
-    key: one ``jax.random`` key (uniforms drawn as in :func:`~specdec_jax.verify`;
-      :func:`block_verify_with_key` is this form with the key first).
+    key: one ``jax.random`` key (uniforms drawn as in :func:`~specdec_jax.verify`).
     num_draft: optional int32 scalar in ``[0, gamma]`` (ragged batches), as in ``verify``.
     pad_id: static int for the unused slots of ``tokens``.
     target_bitmask: optional grammar words ``(gamma + 1, ceil(V / 32))``: each target row is
@@ -289,7 +286,7 @@ def block_verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike,
     Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh, "Block Verification
     Accelerates Speculative Decoding", ICLR 2025, arXiv:2403.10444, Algorithm 2.
   """
-  name = entry_name("block_verify")
+  name = "block_verify"
   gamma, vocab = check_chain(name, p, q, draft, uniforms)
   check_scalar(name, "num_draft", num_draft, INT)
   dtype = compute_dtype(p.dtype, (p if q is None else q).dtype)
@@ -302,11 +299,3 @@ def block_verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike,
                         k=check_logprobs(name, logprobs, logprobs_mode, vocab),
                         mode=logprobs_mode)
 
-
-block_verify_with_key = key_twin(block_verify, """\
-    >>> import jax, jax.numpy as jnp
-    >>> p = jnp.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
-    >>> q = jnp.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
-    >>> r = block_verify_with_key(jax.random.key(0), p, q, jnp.array([1, 2]))
-    >>> 1 <= int(r.num_tokens) <= 3
-    True""")

@@ -28,8 +28,6 @@ from specdec_jax._checks import check_chain
 from specdec_jax._checks import check_scalar
 from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import public_jit
-from specdec_jax._keys import entry_name
-from specdec_jax._keys import key_twin
 from specdec_jax._keys import key_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._lazy import LogitRows
@@ -151,7 +149,7 @@ def verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None, draf
   their values change. ``draft_logits=None`` means point-mass drafts (a deterministic
   drafter: n-gram, prompt lookup, a greedy head): accept ``x`` with probability ``p(x)``.
 
-  Multi-host: see the README, "Running on many devices and hosts". Vocabulary-sharded
+  Multi-host: see the docs, "Sharding and many hosts". Vocabulary-sharded
   logits: :func:`~specdec_jax.vocab_parallel_verify` with ``inputs="logits"``.
 
   Args:
@@ -159,8 +157,8 @@ def verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None, draf
     draft_logits: ``(gamma, V)`` draft logits at the proposed positions, or None.
     draft: ``(gamma,)`` integer token ids.
     uniforms: ``(gamma + 1,)`` uniforms in ``[0, 1)``, read as the rule says; or
-    key: one ``jax.random`` key (``uniform(key, (gamma + 1,))``; :func:`verify_logits_with_key`
-      is this form with the key first).
+    key: one ``jax.random`` key (``uniform(key, (gamma + 1,))``; for a batch,
+      ``jax.vmap(lambda k, *a: verify_logits(*a, key=k))(keys, ...)``).
     params: :class:`~specdec_jax.SamplingParams` with scalar fields (``jax.vmap`` for a batch).
     num_draft: optional int32 scalar in ``[0, gamma]``, as in :func:`~specdec_jax.verify`.
     rule: static, ``"token"`` (:func:`~specdec_jax.verify`) or ``"block"``
@@ -196,7 +194,7 @@ def verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None, draf
     Leviathan, Kalman, Matias (2023), arXiv:2211.17192; Sun et al., "Block Verification
     Accelerates Speculative Decoding", arXiv:2403.10444.
   """
-  name = entry_name("verify_logits")
+  name = "verify_logits"
   if rule not in CHAIN_RULES:
     raise ValueError(f"{name}: `rule` must be one of {tuple(CHAIN_RULES)}, got {rule!r}.")
   check_logits_pair(name, target_logits, draft_logits)
@@ -216,13 +214,6 @@ def verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None, draf
                            logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
                            logprobs_mode=logprobs_mode)
 
-
-verify_logits_with_key = key_twin(verify_logits, """\
-    >>> import jax, jax.numpy as jnp
-    >>> r = verify_logits_with_key(jax.random.key(1), jnp.zeros((3, 4)), jnp.zeros((2, 4)),
-    ...                            jnp.array([0, 3]))
-    >>> int(r.num_tokens)   # equal distributions: every proposal is accepted
-    3""")
 
 #: The array arguments of the tree verifiers from logits.
 TREE_LOGITS_ARRAYS = {"key": KEY, "target_logits": FLOAT, "draft_logits": FLOAT,
@@ -249,7 +240,7 @@ def tree_verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None,
   laws that read ``q`` (``"iid"``, ``"without_replacement"``); pass None under
   ``"deterministic"``.
 
-  Multi-host: see the README, "Running on many devices and hosts". Vocabulary-sharded
+  Multi-host: see the docs, "Sharding and many hosts". Vocabulary-sharded
   logits: :func:`~specdec_jax.vocab_parallel_tree_verify` with ``inputs="logits"``.
 
   Args:
@@ -284,7 +275,7 @@ def tree_verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None,
   Reference:
     Miao et al., "SpecInfer", arXiv:2305.09781; Li et al., "EAGLE-2", arXiv:2406.16858.
   """
-  name = entry_name("tree_verify_logits")
+  name = "tree_verify_logits"
   check_logits_pair(name, target_logits, draft_logits)
   if draft_logits is None and law != "deterministic":
     raise ValueError(f"{name}: law {law!r} reads the draft rows: pass `draft_logits` (or use "
@@ -308,10 +299,3 @@ def tree_verify_logits(target_logits: ArrayLike, draft_logits: ArrayLike | None,
                           logprobs=check_logprobs(name, logprobs, logprobs_mode, vocab),
                           logprobs_mode=logprobs_mode)
 
-
-tree_verify_logits_with_key = key_twin(tree_verify_logits, """\
-    >>> import jax, jax.numpy as jnp
-    >>> r = tree_verify_logits_with_key(jax.random.key(0), jnp.zeros((3, 4)), jnp.zeros((3, 4)),
-    ...                                 jnp.array([-1, 0, 0]), jnp.array([0, 1, 2]))
-    >>> 1 <= int(r.num_tokens) <= 2
-    True""")

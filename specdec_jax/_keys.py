@@ -3,30 +3,19 @@
 Every verifier reads its random numbers from a ``uniforms`` array whose slots are documented
 per rule. Instead of the array, a caller may pass ``key=``: one ``jax.random`` key, or (for
 batched layouts) ``B`` keys, one per request, which makes each request's result independent
-of the batch it is in. :func:`draw_uniforms` draws the array. :func:`key_twin` generates the
-``*_with_key(key, ...)`` form of a one-sequence verifier from the verifier itself.
+of the batch it is in. :func:`draw_uniforms` draws the array. (The ``*_with_key(key, ...)``
+twins of the one-sequence verifiers were removed before 1.0: ``key=`` is the one form.)
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 
-from specdec_jax._checks import PublicJit
 from specdec_jax._checks import check_key
 from specdec_jax._checks import compute_dtype
-from specdec_jax._checks import public_jit
-
-_NAME = contextvars.ContextVar("specdec_jax_entry_name", default=None)
-
-
-def entry_name(default: str) -> str:
-  """The public name a call came in by (the ``*_with_key`` twin's, while it runs), for messages."""
-  return _NAME.get() or default
 
 
 def key_uniforms(fn: str, key, count: int, dtype) -> jax.Array:
@@ -82,50 +71,3 @@ def one_source(name: str, key, uniforms, uniforms_name: str = "uniforms") -> Non
   if (key is None) == (uniforms is None):
     raise ValueError(f"{name}: pass exactly one of `key` and `{uniforms_name}`, got "
                      f"{'both' if key is not None else 'neither'}.")
-
-
-def key_twin(fn: PublicJit, example: str) -> PublicJit:
-  """``<fn>_with_key(key, *args, **kwargs)``: ``fn(*args, key=key, **kwargs)``, generated.
-
-  The twin's signature is ``fn``'s with ``key`` first and without ``uniforms``; its messages
-  name the twin. ``example`` is the docstring's doctest.
-  """
-  body = fn.__wrapped__
-  name = f"{fn.__name__}_with_key"
-  signature = inspect.signature(body)
-  params = [inspect.Parameter("key", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
-    p for n, p in signature.parameters.items() if n not in ("key", "uniforms")]
-  twin_signature = signature.replace(parameters=params)
-
-  def twin(*args, **kwargs):
-    bound = twin_signature.bind(*args, **kwargs)
-    token = _NAME.set(name)
-    try:
-      return body(**bound.arguments)
-    finally:
-      _NAME.reset(token)
-
-  twin.__signature__ = twin_signature
-  twin.__name__ = twin.__qualname__ = name
-  twin.__module__ = body.__module__
-  twin.__doc__ = f""":func:`{fn.__name__}` with its uniforms drawn from ``key`` (generated).
-
-  ``{name}(key, *args, **kwargs)`` is ``{fn.__name__}(*args, key=key, **kwargs)``: the
-  uniforms are ``jax.random.uniform(key, (count,), dtype)`` in the computation dtype (float32
-  for float32/float16/bfloat16 inputs, float64 under x64), all drawn whether read or not, so
-  results are reproducible per key. For a batch split the key, one per sequence:
-  ``jax.vmap({name})(jax.random.split(key, B), ...)``. A uniform of exactly 0 can occur
-  (probability ``2**-23`` per draw in float32); the rule never accepts a token of target
-  probability 0 for it.
-
-  Args:
-    key: one ``jax.random`` key (typed ``jax.random.key`` or raw ``PRNGKey``).
-    *args, **kwargs: as in :func:`{fn.__name__}`, without ``uniforms``.
-
-  Returns:
-    What :func:`{fn.__name__}` returns.
-
-  Example:
-{example}
-  """
-  return public_jit(twin, arrays=fn.arrays, static_argnames=fn.static_argnames, name=name)

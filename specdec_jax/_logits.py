@@ -75,7 +75,7 @@ def process_logits(logits: jax.Array, params: SamplingParams = SamplingParams(),
   ``temperature`` negative or NaN, ``top_k < 0``, ``top_p`` outside ``(0, 1]``) give NaN rows
   too, never a plausible distribution.
 
-  Multi-host: see the README, "Running on many devices and hosts" (out-of-range ``params``
+  Multi-host: see the docs, "Sharding and many hosts" (out-of-range ``params``
   held so give NaN rows, above).
 
   Args:
@@ -155,7 +155,7 @@ def sample_draft(key: jax.Array, logits: jax.Array,
   Broken logits and parameters out of range under ``jit`` give NaN ``probs``, as in
   :func:`process_logits`: the verifier that reads them reports ``ErrorCode.NONFINITE``.
 
-  Multi-host: see the README, "Running on many devices and hosts" (as :func:`process_logits`).
+  Multi-host: see the docs, "Sharding and many hosts" (as :func:`process_logits`).
 
   Args:
     key: a ``jax.random`` key.

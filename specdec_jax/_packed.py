@@ -99,7 +99,7 @@ def packed_verify(draft_token_ids: ArrayLike, num_draft_tokens: ArrayLike, *, ma
   where the rule reads them, equal to :func:`~specdec_jax.process_logits`'s (the same kept
   tokens; values equal up to the rounding of the normaliser).
 
-  Multi-host: see the README, "Running on many devices and hosts". Vocabulary-sharded rows:
+  Multi-host: see the docs, "Sharding and many hosts". Vocabulary-sharded rows:
   :func:`~specdec_jax.vocab_parallel_packed_verify` (the same call over a mesh).
 
   Args:

@@ -58,7 +58,6 @@ from specdec_jax._mesh import over_vocab
 from specdec_jax._params import check_bitmask
 from specdec_jax._params import check_history
 from specdec_jax._params import history_error
-from specdec_jax._results import PackedTreeResult as PackedTreeResult
 from specdec_jax._results import PackedTreeVerifyResult as PackedTreeVerifyResult
 from specdec_jax._rows import masked_rows
 from specdec_jax._rules import LAWS
@@ -99,7 +98,7 @@ def packed_tree_verify(candidates: ArrayLike, retrive_next_token: ArrayLike,
   no draft probabilities) and whose coins are one per parent; the defaults reproduce its
   decisions coin for coin.
 
-  Multi-host: see the README, "Running on many devices and hosts". Vocabulary-sharded rows:
+  Multi-host: see the docs, "Sharding and many hosts". Vocabulary-sharded rows:
   :func:`~specdec_jax.vocab_parallel_packed_tree_verify` (the same call over a mesh).
 
   Args:
@@ -376,5 +375,5 @@ def packed_tree_body(named, *, max_depth, law, uniform_layout, pad_id, vocab,
                                 top_logprobs=result.top_logprobs)
 
 
-__all__ = ["PackedTreeResult", "PackedTreeVerifyResult", "malformed_links", "packed_tree_verify",
+__all__ = ["PackedTreeVerifyResult", "malformed_links", "packed_tree_verify",
            "parents_from_links"]

@@ -27,7 +27,7 @@ from specdec_jax._errors import ErrorCode
 class SamplingParams(NamedTuple):
   """Per-request sampling parameters; every field may be traced (``jax.vmap`` over a batch).
 
-  Applied in vLLM's order (see the README, "Sampling parameters"): ``allowed_token_ids``,
+  Applied in vLLM's order (see the docs, "Sampling parameters"): ``allowed_token_ids``,
   ``bad_words``, ``min_tokens``, ``logit_bias``, the penalties, then ``temperature``,
   ``min_p``, ``top_k``, ``top_p``. ``None`` removes a step at trace time; the "off" values
   (``top_k = 0``, ``top_p = 1``, ``min_p = 0``, ``repetition_penalty = 1``, the other

@@ -81,8 +81,4 @@ class PackedTreeVerifyResult(NamedTuple):
   top_logprobs: jax.Array | None = None
 
 
-#: The name of earlier versions, kept as an alias.
-PackedTreeResult = PackedTreeVerifyResult
-
-
-__all__ = ["PackedTreeResult", "PackedTreeVerifyResult", "PackedVerifyResult"]
+__all__ = ["PackedTreeVerifyResult", "PackedVerifyResult"]

@@ -32,8 +32,6 @@ from specdec_jax._checks import public_jit
 from specdec_jax._errors import ErrorCode
 from specdec_jax._errors import flag
 from specdec_jax._errors import row_tolerance
-from specdec_jax._keys import entry_name
-from specdec_jax._keys import key_twin
 from specdec_jax._keys import key_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._logprobs import check_logprobs
@@ -97,7 +95,7 @@ def check_tree(p, q, parents, tokens, uniforms, law, max_depth, name,
                 layout="sequential") -> tuple[int, int, int]:
   """Trace-time rank, shape, dtype and static-argument checks. Returns ``(N, V, max_depth)``.
 
-  ``uniforms=None`` skips its check (the ``*_with_key`` form draws them).
+  ``uniforms=None`` skips its check (``key=`` draws them).
   """
   for arg, value, rank, kind in (("p", p, 2, FLOAT), ("q", q, 2, FLOAT),
                                  ("parents", parents, 1, INT), ("tokens", tokens, 1, INT)):
@@ -199,7 +197,7 @@ def tree_verify(p: ArrayLike, q: ArrayLike | None, parents: ArrayLike, tokens: A
   coin. Each layout reads every number at most once as a fresh uniform, so the output law
   is the same; only which number decides what differs.
 
-  Multi-host: see the README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     p: ``(N, V)`` floating. ``p[u]``: the target's next-token law after the path to ``u``.
@@ -210,7 +208,7 @@ def tree_verify(p: ArrayLike, q: ArrayLike | None, parents: ArrayLike, tokens: A
     tokens: ``(N,)`` integer ids in ``[0, V)``; ``tokens[0]`` is ignored.
     uniforms: ``(N,)`` floating, each in ``[0, 1)``; or
     key: one ``jax.random`` key: ``uniforms = jax.random.uniform(key, (N,))`` in the
-      computation dtype (:func:`tree_verify_with_key` is this form with the key first).
+      computation dtype.
     num_nodes: optional int scalar (traced) in ``[1, N]``: nodes ``>= num_nodes`` are
       unused, for ragged batches of trees padded to a common ``N``. ``None``: ``N``.
     law: static, one of ``"iid"``, ``"without_replacement"``, ``"deterministic"``.
@@ -251,7 +249,7 @@ def tree_verify(p: ArrayLike, q: ArrayLike | None, parents: ArrayLike, tokens: A
     arXiv:2402.14160; Li et al., "EAGLE-2: Faster Inference of Language Models with
     Dynamic Draft Trees", arXiv:2406.16858.
   """
-  name = entry_name("tree_verify")
+  name = "tree_verify"
   size, vocab, max_depth = check_tree(p, q, parents, tokens, uniforms, law, max_depth, name,
                                       uniform_layout)
   check_scalar(name, "num_nodes", num_nodes, INT)
@@ -305,12 +303,3 @@ def tree_rows(p, q, parents, tokens, uniforms, num_nodes, *, law: str, pad_id: i
                           num_accepted=end.num_accepted, num_uniforms=end.num_tests + 1,
                           valid=error == 0, error=error, path=end.path)
 
-
-tree_verify_with_key = key_twin(tree_verify, """\
-    >>> import jax, jax.numpy as jnp
-    >>> p = jnp.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.6, 0.2, 0.2]])
-    >>> q = jnp.full((3, 3), 1 / 3)
-    >>> r = tree_verify_with_key(jax.random.key(0), p, q, jnp.array([-1, 0, 0]),
-    ...                          jnp.array([0, 0, 1]))
-    >>> 1 <= int(r.num_tokens) <= 2
-    True""")

@@ -21,8 +21,6 @@ from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import public_jit
 from specdec_jax._errors import psum_if
 from specdec_jax._errors import stop_row_error
-from specdec_jax._keys import entry_name
-from specdec_jax._keys import key_twin
 from specdec_jax._keys import key_uniforms
 from specdec_jax._keys import one_source
 from specdec_jax._logprobs import check_logprobs
@@ -194,7 +192,7 @@ def verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike, uniforms: ArrayL
   are converted before the call with clear errors for what JAX cannot hold: ragged
   lists, ``float128``, and integer ids outside int32 (which would wrap when cast).
 
-  Multi-host: see the README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     p: ``(gamma + 1, V)`` floating. Target distributions at the ``gamma``
@@ -204,7 +202,8 @@ def verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike, uniforms: ArrayL
     draft: ``(gamma,)`` integer token ids in ``[0, V)``.
     uniforms: ``(gamma + 1,)`` floating, each in ``[0, 1)``; or
     key: one ``jax.random`` key: the uniforms are ``jax.random.uniform(key, (gamma + 1,))`` in
-      the computation dtype (:func:`verify_with_key` is this form with the key first).
+      the computation dtype, all drawn whether read or not (for a batch, one key per
+      sequence: ``jax.vmap(lambda k, *a: verify(*a, key=k))(jax.random.split(key, B), ...)``).
     num_draft: optional integer scalar (traced) in ``[0, gamma]``: how many leading
       proposals are real, for ragged batches padded to a common ``gamma``. Positions
       at or after it are ignored and the bonus token comes from ``p[num_draft]``, so
@@ -241,7 +240,7 @@ def verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike, uniforms: ArrayL
     Decoding", ICML 2023, arXiv:2211.17192; Chen et al., "Accelerating Large
     Language Model Decoding with Speculative Sampling", arXiv:2302.01318.
   """
-  name = entry_name("verify")
+  name = "verify"
   gamma, vocab = check_chain(name, p, q, draft, uniforms)
   check_scalar(name, "num_draft", num_draft, INT)
   dtype = compute_dtype(p.dtype, (p if q is None else q).dtype)
@@ -254,11 +253,3 @@ def verify(p: ArrayLike, q: ArrayLike | None, draft: ArrayLike, uniforms: ArrayL
                         k=check_logprobs(name, logprobs, logprobs_mode, vocab),
                         mode=logprobs_mode)
 
-
-verify_with_key = key_twin(verify, """\
-    >>> import jax, jax.numpy as jnp
-    >>> p = jnp.array([[0.2, 0.5, 0.3], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
-    >>> q = jnp.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
-    >>> r = verify_with_key(jax.random.key(0), p, q, jnp.array([1, 2]))
-    >>> 1 <= int(r.num_tokens) <= 3
-    True""")

@@ -105,7 +105,7 @@ def vocab_parallel_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | None = 
   :func:`~specdec_jax.verify_logits`) for the same uniforms except within float rounding of
   an interval boundary of the final sample.
 
-  Multi-host: see the README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     mesh: a ``jax.sharding.Mesh``.
@@ -237,7 +237,7 @@ def vocab_parallel_tree_verify(mesh: Mesh, vocab_axis: str, batch_axis: str | No
   scalars cross devices, nothing of size ``V``; from logits also each row's processing
   statistics.
 
-  Multi-host: see the README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     mesh, vocab_axis, batch_axis, inputs, pad_id: as in :func:`vocab_parallel_verify`.

@@ -35,7 +35,7 @@ def vocab_parallel_packed_verify(mesh: Mesh, vocab_axis: str, *, max_spec_len: i
   :func:`vocab_parallel_verify` does for padded rows, so per request O(n) scalars cross
   devices and nothing of size ``V``.
 
-  Multi-host: see the README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     mesh, vocab_axis, pad_id: as in :func:`vocab_parallel_verify`.
@@ -93,7 +93,7 @@ def vocab_parallel_packed_tree_verify(mesh: Mesh, vocab_axis: str, *, max_depth:
   ``vocab_axis``, as probabilities or logits with per-request parameters; the walk runs
   replicated and only scalars cross devices (as :func:`vocab_parallel_tree_verify`).
 
-  Multi-host: see the README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     mesh, vocab_axis, pad_id: as in :func:`vocab_parallel_verify`.

@@ -186,3 +186,17 @@ def largest_collective(hlo: str) -> int:
     for dims in re.findall(r"\w\d+\[([\d,]*)\]", shapes):
       sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
   return max(sizes)
+
+
+def keyed(fn):
+  """``fn`` with its ``key=`` as the first positional argument and without ``uniforms``, for
+  ``jax.vmap`` over keys: ``jax.vmap(keyed(verify))(keys, p, q, draft)`` (positional
+  arguments after the key fill ``fn``'s parameters in order, ``uniforms`` and ``key`` skipped)."""
+  import inspect
+
+  names = [n for n in inspect.signature(fn).parameters if n not in ("uniforms", "key")]
+
+  def call(key, *args, **kwargs):
+    return fn(**dict(zip(names, args, strict=False)), key=key, **kwargs)
+
+  return call

@@ -35,7 +35,7 @@ TOY_V = 16
 #: logits path, a tree and the two decoding loops with while loops inside while loops, so
 #: that a flag which changed a float or a loop's result fails there.
 DEFAULT_FLAG_CHECKS = ("vocab-parallel packed_verify from logits",
-                       "batch-sharded verify_logits_with_key", "packed_tree_verify",
+                       "batch-sharded verify_logits key=", "packed_tree_verify",
                        "speculative_generate lookup adaptive",
                        "tree_speculative_generate feature draft")
 
@@ -105,15 +105,15 @@ def run_cases(mesh, put: Callable[..., jax.Array], only: Collection[str] | None 
     put(tokens, seq), put(first, seq), put(sibling, seq), max_depth=2,
     target_probs=put(tp.reshape(B * n, V), P("data", None)), coins=put(coins, seq))
 
-  # 3c. Logits with per-row sampling parameters and keys: jit(vmap(verify_logits_with_key)).
+  # 3c. Logits with per-row sampling parameters and keys: jit(vmap(verify_logits(..., key=k))).
   t_logits = rng.normal(size=(B, GAMMA + 1, V)).astype(np.float32)
   d_logits = rng.normal(size=(B, GAMMA, V)).astype(np.float32)
   row_params = sd.SamplingParams(temperature=put(np.linspace(0, 1.2, B).astype(np.float32), vec),
                                  top_k=put(np.full(B, 7, np.int32), vec))
   row_keys = jax.random.wrap_key_data(
     put(np.asarray(jax.random.key_data(jax.random.split(jax.random.key(9), B))), seq))
-  out["batch-sharded verify_logits_with_key"] = lambda: jax.jit(jax.vmap(
-    lambda k, t, d, x, prm, n: sd.verify_logits_with_key(k, t, d, x, prm, num_draft=n)))(
+  out["batch-sharded verify_logits key="] = lambda: jax.jit(jax.vmap(
+    lambda k, t, d, x, prm, n: sd.verify_logits(t, d, x, params=prm, num_draft=n, key=k)))(
       row_keys, put(t_logits, rows), put(d_logits, rows), put(draft, seq), row_params,
       put(num_draft, vec))
 

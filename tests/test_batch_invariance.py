@@ -127,8 +127,8 @@ def _cells():
   def vmapped(rule):
     @jax.jit
     def step(keys, target, draft_logits, draft, counts, params):
-      one = lambda k, t, d, x, n, p: sd.verify_logits_with_key(  # noqa: E731
-        k, t, d, x, p, num_draft=n, rule=rule)
+      one = lambda k, t, d, x, n, p: sd.verify_logits(  # noqa: E731
+        t, d, x, params=p, num_draft=n, rule=rule, key=k)
       return jax.vmap(one)(keys, target, draft_logits, draft, counts, params)
 
     def run(requests):
@@ -137,8 +137,8 @@ def _cells():
     return run
 
   def vmapped_tree(requests):
-    r = jax.jit(jax.vmap(lambda k, t, d, tok, p: sd.tree_verify_logits_with_key(
-      k, t, d, jnp.asarray(PARENTS), tok, p, law="iid")))(
+    r = jax.jit(jax.vmap(lambda k, t, d, tok, p: sd.tree_verify_logits(
+      t, d, jnp.asarray(PARENTS), tok, params=p, law="iid", key=k)))(
       _keys(requests), np.stack([r["rows"][2 * S + 1:2 * S + 1 + N] for r in requests]),
       np.stack([r["rows"][2 * S + 1 + N:2 * S + 1 + 2 * N] for r in requests]),
       np.stack([r["tree_tokens"] for r in requests]), _params(requests))

@@ -24,7 +24,6 @@ from specdec_jax import reference
 from specdec_jax import theory
 from specdec_jax import verify
 from specdec_jax._block import block_verify
-from specdec_jax._block import block_verify_with_key
 from specdec_jax.decoding import VERIFIERS
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate
@@ -35,6 +34,7 @@ from tests._helpers import U_EXAMPLE
 from tests._helpers import assert_same_distribution
 from tests._helpers import conditional_errors
 from tests._helpers import dirichlet_case
+from tests._helpers import keyed
 from tests._helpers import per_position
 from tests._helpers import random_case
 from tests._helpers import sample_rows
@@ -327,11 +327,11 @@ def test_jit_vmap_and_nested_vmap_agree_with_single_calls():
 def test_with_key_uses_the_uniforms_of_the_key():
   p, q = (jnp.asarray(a, jnp.float32) for a in (P_EXAMPLE, Q_EXAMPLE))
   key = jax.random.key(3)
-  r = block_verify_with_key(key, p, q, jnp.array([0, 2]))
+  r = block_verify(p, q, jnp.array([0, 2]), key=key)
   u = jax.random.uniform(key, (3,), jnp.float32)
   assert r.tokens.tolist() == block_verify(p, q, jnp.array([0, 2]), u).tokens.tolist()
   keys = jax.random.split(key, 8)
-  batch = jax.vmap(block_verify_with_key, in_axes=(0, None, None, None))(
+  batch = jax.vmap(keyed(block_verify), in_axes=(0, None, None, None))(
     keys, p, q, jnp.array([1, 2]))
   assert bool(batch.valid.all()) and ((batch.tokens[:, 0] >= 0) & (batch.tokens[:, 0] < 3)).all()
 

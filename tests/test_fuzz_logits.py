@@ -1,4 +1,4 @@
-"""Fuzzing ``process_logits``, ``verify_logits`` and ``verify_logits_with_key`` (see
+"""Fuzzing ``process_logits``, ``verify_logits`` and its ``key=`` form (see
 :mod:`tests._fuzz_strategies`)."""
 
 from __future__ import annotations
@@ -153,8 +153,8 @@ def _run_verify_logits(case, seed, t_kind, d_kind, temperature, id_kind, u_kind,
   bad_params = not (temperature >= 0 and top_k >= 0 and 0 < top_p <= 1)
   if with_key:
     key = jax.random.key(seed % 1000)
-    res = sd.verify_logits_with_key(key, target, draft_logits, draft, params,
-                                    num_draft=num_draft, pad_id=PAD)
+    res = sd.verify_logits(target, draft_logits, draft, params=params,
+                                    num_draft=num_draft, pad_id=PAD, key=key)
     uniforms = np.asarray(jax.random.uniform(key, (gamma + 1,), jnp.float32))
   else:
     res = sd.verify_logits(target, draft_logits, draft, uniforms, params, num_draft=num_draft,

@@ -1,4 +1,4 @@
-"""Fuzzing ``tree_verify`` and ``tree_verify_with_key`` (see :mod:`tests._fuzz_strategies`)."""
+"""Fuzzing ``tree_verify`` and its ``key=`` form (see :mod:`tests._fuzz_strategies`)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_tree_verify_garbage(case, seed, p_kind, q_kind, tree_kind, u_kind, as_j
           as_input(tokens, as_jax))
   if with_key and case == TREE_CASES[0]:  # one compilation of the keyed form
     key = jax.random.key(seed % 1000)
-    res = sd.tree_verify_with_key(key, *args, num_nodes=num_nodes, law=law, pad_id=PAD)
+    res = sd.tree_verify(*args, num_nodes=num_nodes, law=law, pad_id=PAD, key=key)
     uniforms = np.asarray(jax.random.uniform(key, (size,), jnp.float32))
   else:
     res = sd.tree_verify(*args, as_input(uniforms, as_jax), num_nodes=num_nodes, law=law,

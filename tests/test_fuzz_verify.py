@@ -42,6 +42,7 @@ from tests._fuzz_strategies import single_fault
 from tests._fuzz_strategies import tolerance
 from tests._fuzz_strategies import uniform_bad
 from tests._fuzz_strategies import value_bad
+from tests._helpers import keyed
 
 BLOCK = 256
 
@@ -285,7 +286,7 @@ def test_draft_ids_of_every_integer_width(seed, dtype, kind):
 
 
 # ---------------------------------------------------------------------------------------------
-# The *_with_key forms.
+# The key= form.
 
 
 @fuzz(30)
@@ -298,7 +299,7 @@ def test_with_key_forms_garbage(block, seed, p_kind, q_kind, id_kind, u_kind, nd
   p, q, draft, _, num_draft = chain_case(seed, vocab, gamma, dtype, p_kind, q_kind, id_kind,
                                          "clean", nd_kind)
   key = jax.random.key(seed % 1000)
-  fn = sd.block_verify_with_key if block else sd.verify_with_key
+  fn = keyed(sd.block_verify if block else sd.verify)
   res = fn(key, as_input(p, as_jax), as_input(q, as_jax), as_input(draft, as_jax),
            num_draft=num_draft, pad_id=PAD)
   uniforms = np.asarray(jax.random.uniform(key, (gamma + 1,), jnp.float32))  # documented draw
@@ -322,8 +323,8 @@ _MISTAKE_ARG = {"list_p": "p", "list_draft": "draft", "scalar_draft": "draft", "
 
 
 @pytest.mark.parametrize("mistake", sorted(HOST_MISTAKES))
-@pytest.mark.parametrize("fn_name", ["verify_with_key", "block_verify_with_key", "verify",
-                                     "speculative_step", "verify_logits_with_key"])
+@pytest.mark.parametrize("fn_name", ["verify+key", "block_verify+key", "verify",
+                                     "speculative_step", "verify_logits+key"])
 def test_host_mistakes_give_clear_errors(fn_name, mistake):
   """Python lists work; anything JAX cannot hold raises a clear error (no raw JAX traceback)."""
   rng = np.random.default_rng(0)
@@ -331,12 +332,12 @@ def test_host_mistakes_give_clear_errors(fn_name, mistake):
   q = clean_rows(rng, 3, 3, zeros=False).astype(np.float32)
   draft = np.array([0, 1, 2], np.int32)
   p_, q_, d_ = HOST_MISTAKES[mistake](p, q, draft)
-  fn = getattr(sd, fn_name)
+  fn = getattr(sd, fn_name.removesuffix("+key"))
   arg = _MISTAKE_ARG[mistake]
-  if fn_name == "verify_logits_with_key":
+  if fn_name == "verify_logits+key":
     arg = {"p": "target_logits", "q": "draft_logits"}.get(arg, arg)
-  if fn_name.endswith("with_key"):
-    call = functools.partial(fn, jax.random.key(0), p_, q_, d_)
+  if fn_name.endswith("+key"):
+    call = functools.partial(fn, p_, q_, d_, key=jax.random.key(0))
   elif fn_name == "verify":
     call = functools.partial(fn, p_, q_, d_, np.full(4, 0.5, np.float32))
   else:
@@ -344,7 +345,7 @@ def test_host_mistakes_give_clear_errors(fn_name, mistake):
   try:
     out = call()
   except Exception as err:  # Python lists may be refused, but clearly
-    check_host_error(err, fn_name, (f"`{arg}`",))
+    check_host_error(err, fn_name.removesuffix("+key"), (f"`{arg}`",))
     return
   if mistake == "huge_id" and hasattr(out, "valid"):  # jitted: flagged instead of raised
     assert not bool(out.valid) and 2**33 % 2**32 not in np.asarray(out.tokens)[:1].tolist()

@@ -12,8 +12,8 @@ from specdec_jax import SamplingParams
 from specdec_jax import process_logits
 from specdec_jax import sample_draft
 from specdec_jax import verify_logits
-from specdec_jax import verify_logits_with_key
 from tests._helpers import assert_same_distribution
+from tests._helpers import keyed
 
 
 def _softmax(x):
@@ -147,7 +147,7 @@ def test_mixed_parameters_in_one_batch_do_not_recompile():
   def step(key, target, drafts_logits, draft, params):
     traces.append(1)
     keys = jax.random.split(key, target.shape[0])
-    return jax.vmap(verify_logits_with_key)(keys, target, drafts_logits, draft, params)
+    return jax.vmap(keyed(verify_logits))(keys, target, drafts_logits, draft, params)
 
   rng = np.random.default_rng(2)
   batch, gamma, vocab = 6, 3, 20
@@ -206,7 +206,7 @@ def test_verify_logits_is_exact_for_the_processed_target(name):
   def trial(key, target, draft_logits):
     k_draft, k_verify = jax.random.split(key)
     sampled = _drafted(params, k_draft, draft_logits)
-    return verify_logits_with_key(k_verify, target, draft_logits, sampled.token, params)
+    return verify_logits(target, draft_logits, sampled.token, params=params, key=k_verify)
 
   result = _trials(trial, TRIALS, target, draft_logits)
   tokens, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
@@ -229,7 +229,7 @@ def test_negative_control_q_from_other_parameters_fails():
   def trial(key, target, draft_logits):
     k_draft, k_verify = jax.random.split(key)
     sampled = _drafted(SamplingParams(1.5), k_draft, draft_logits)
-    return verify_logits_with_key(k_verify, target, draft_logits, sampled.token, used)
+    return verify_logits(target, draft_logits, sampled.token, params=used, key=k_verify)
 
   result = _trials(trial, NEGATIVE_TRIALS, target, draft_logits)
   with pytest.raises(AssertionError, match="chi-square"):
@@ -273,7 +273,8 @@ def test_greedy_speculative_decoding_equals_greedy_decoding(gamma):
       target_logits = target_table[jnp.asarray(contexts)]
       draft_logits = draft_table[jnp.asarray(contexts[:-1])]
       key, sub = jax.random.split(key)
-      r = verify_logits_with_key(sub, target_logits, draft_logits, jnp.asarray(proposal), greedy)
+      r = verify_logits(target_logits, draft_logits, jnp.asarray(proposal), params=greedy,
+                        key=sub)
       new = np.asarray(r.tokens[: int(r.num_tokens)]).tolist()
       out.extend(new)
       last = new[-1]

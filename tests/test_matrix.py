@@ -117,17 +117,17 @@ def test_single_sequence_cells(rule, logits):
     _same(got, want)
 
 
-def test_with_key_twins_equal_the_key_argument():
+def test_the_key_argument_draws_the_documented_uniforms():
+  """``key=`` is ``uniforms=jax.random.uniform(key, (count,))`` in the computation dtype (the
+  one randomness form: the ``*_with_key`` twins were removed before 1.0)."""
   tl, dl, p, q, draft, _ = _case()
   key = jax.random.key(3)
+  uniforms = jax.random.uniform(key, (p.shape[1],), jnp.float32)
   chain, logits = (p[0], q[0], draft[0]), (tl[0], dl[0], draft[0])
-  for twin, body, args in ((sd.verify_with_key, sd.verify, chain),
-                           (sd.block_verify_with_key, sd.block_verify, chain),
-                           (sd.verify_logits_with_key, sd.verify_logits, logits)):
-    _same(twin(key, *args), body(*args, key=key))
-  tree = (p[0, :1].repeat(N, 0), p[0, :1].repeat(N, 0), PARENTS, np.arange(N, dtype=np.int32))
-  _same(sd.tree_verify_with_key(key, *tree), sd.tree_verify(*tree, key=key), ("tokens", "path"))
-  assert sd.verify_with_key.__name__ == "verify_with_key" and "key" in sd.verify_with_key.__doc__
+  for body, args in ((sd.verify, chain), (sd.block_verify, chain), (sd.verify_logits, logits)):
+    _same(body(*args, key=key), body(*args, uniforms=uniforms))
+  assert not any(name.endswith("_with_key") for name in sd.__all__)
+  assert not hasattr(sd, "PackedTreeResult")
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -275,7 +275,6 @@ def test_every_result_starts_with_the_same_six_fields():
   for result in (sd.VerifyResult, sd.TreeVerifyResult, sd.PackedVerifyResult,
                  sd.PackedTreeVerifyResult):
     assert result._fields[:6] == head, result
-  assert sd.PackedTreeResult is sd.PackedTreeVerifyResult
 
 
 def _vocab_parallel_hlo(layout: str, vocab: int) -> str:

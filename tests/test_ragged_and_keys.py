@@ -7,8 +7,8 @@ import pytest
 
 from specdec_jax import ErrorCode
 from specdec_jax import verify
-from specdec_jax import verify_with_key
 from tests._helpers import assert_same_distribution
+from tests._helpers import keyed
 from tests._helpers import random_case
 from tests._helpers import sample_rows
 
@@ -110,23 +110,23 @@ def test_num_draft_wrong_shape_or_dtype_fails_at_trace_time():
 def test_key_determinism_and_equivalence_to_explicit_uniforms():
   p, q, draft, _, num_draft, _ = _padded_batch(4)
   key = jax.random.key(7)
-  a = verify_with_key(key, p[0], q[0], draft[0], num_draft=num_draft[0])
-  b = verify_with_key(key, p[0], q[0], draft[0], num_draft=num_draft[0])
+  a = verify(p[0], q[0], draft[0], num_draft=num_draft[0], key=key)
+  b = verify(p[0], q[0], draft[0], num_draft=num_draft[0], key=key)
   for x, y in zip(a, b, strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   u = jax.random.uniform(key, (GAMMA + 1,), jnp.float32)
   c = verify(p[0], q[0], draft[0], u, num_draft=num_draft[0])
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
   # Raw uint32 keys work too.
-  verify_with_key(jax.random.PRNGKey(0), p[0], q[0], draft[0])
+  verify(p[0], q[0], draft[0], key=jax.random.PRNGKey(0))
 
 
 def test_split_keys_over_a_batch():
   p, q, draft, _, num_draft, _ = _padded_batch(5)
   keys = jax.random.split(jax.random.key(0), BATCH)
-  batched = jax.vmap(verify_with_key)(keys, p, q, draft, num_draft=num_draft)
+  batched = jax.vmap(keyed(verify))(keys, p, q, draft, num_draft=num_draft)
   for b in range(0, BATCH, 7):
-    single = verify_with_key(keys[b], p[b], q[b], draft[b], num_draft=num_draft[b])
+    single = verify(p[b], q[b], draft[b], num_draft=num_draft[b], key=keys[b])
     np.testing.assert_array_equal(np.asarray(batched.tokens[b]), np.asarray(single.tokens))
   assert len({tuple(t) for t in np.asarray(batched.tokens).tolist()}) > 1
 
@@ -139,7 +139,7 @@ def test_key_based_verification_is_exact_per_position():
   trials = 200_000
   drafts = jnp.asarray(sample_rows(rng, q, trials).astype(np.int32))
   keys = jax.random.split(jax.random.key(3), trials)
-  run = jax.jit(jax.vmap(verify_with_key, in_axes=(0, None, None, 0)))
+  run = jax.jit(jax.vmap(keyed(verify), in_axes=(0, None, None, 0)))
   result = run(keys, jnp.asarray(p, jnp.float32), jnp.asarray(q, jnp.float32), drafts)
   tokens, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
   for j in range(3):

@@ -1,4 +1,4 @@
-"""The README's mesh example, on 8 forced host devices."""
+"""The documentation's mesh example (docs/sharding.md), on 8 forced host devices."""
 
 import jax
 import numpy as np

@@ -19,18 +19,16 @@ from specdec_jax import DraftTree
 from specdec_jax import ErrorCode
 from specdec_jax import PromptLookup
 from specdec_jax import SamplingParams
-from specdec_jax import block_verify_with_key
+from specdec_jax import block_verify
 from specdec_jax import generate
 from specdec_jax import process_logits
 from specdec_jax import sample_draft
 from specdec_jax import speculative_generate
 from specdec_jax import speculative_step
 from specdec_jax import tree_speculative_generate
-from specdec_jax import tree_verify_with_key
+from specdec_jax import tree_verify
 from specdec_jax import verify
 from specdec_jax import verify_logits
-from specdec_jax import verify_logits_with_key
-from specdec_jax import verify_with_key
 from specdec_jax.models import Model
 from specdec_jax.models import llama
 from specdec_jax.models.toy import make_toy_model
@@ -283,8 +281,8 @@ def test_wide_host_ids_are_refused_before_the_int32_cast(wide):
     with pytest.raises(ValueError, match=rf"verify: `draft` must hold values that fit in int32 "
                        rf"\(ids and counts are int32\), got {wide} at index \(0,\)"):
       verify(p, q, draft, u)
-  with pytest.raises(ValueError, match=r"block_verify_with_key: `draft` must hold values"):
-    block_verify_with_key(jax.random.key(0), p, q, np.array([wide], np.int64))
+  with pytest.raises(ValueError, match=r"block_verify: `draft` must hold values"):
+    block_verify(p, q, np.array([wide], np.int64), key=jax.random.key(0))
   if wide > 0:
     with pytest.raises(ValueError, match=r"`draft` must hold values that fit in int32"):
       verify(p, q, np.array([wide], np.uint64), u)
@@ -317,23 +315,23 @@ def test_speculative_step_ragged_and_float128():
 
 
 @pytest.mark.parametrize(("call", "error", "match"), [
-  (lambda: verify_with_key(jax.random.key(0), P_EXAMPLE, Q_EXAMPLE, np.array(1)), ValueError,
-   r"verify_with_key: `draft` must have rank 1, got shape \(\) \(rank 0\)"),
-  (lambda: block_verify_with_key(jax.random.key(0), P_EXAMPLE, Q_EXAMPLE, 1), ValueError,
-   r"block_verify_with_key: `draft` must have rank 1"),
-  (lambda: verify_logits_with_key(jax.random.key(0), np.zeros((3, 3), int), np.zeros((2, 3)),
-                                  [1, 2]), TypeError,
-   r"verify_logits_with_key: `target_logits` must have a floating dtype, got int64"),
-  (lambda: verify_logits_with_key(jax.random.key(0), jnp.zeros((3, 3), int), jnp.zeros((2, 3)),
-                                  jnp.array([1, 2])), TypeError,
-   r"verify_logits_with_key: `target_logits` must have a floating dtype, got int32"),
-  (lambda: verify_with_key(5, P_EXAMPLE, Q_EXAMPLE, [1, 2]), TypeError,
-   r"verify_with_key: `key` must be a jax.random key \(jax.random.key\(seed\)\), got int 5"),
-  (lambda: verify_with_key(jax.random.split(jax.random.key(0), 2), P_EXAMPLE, Q_EXAMPLE,
-                           [1, 2]), TypeError,
-   r"verify_with_key: `key` must be one jax.random key .* shape \(2,\)"),
-  (lambda: tree_verify_with_key(jax.random.key(0), P_EXAMPLE, P_EXAMPLE, [-1, 0], [0, 1]),
-   ValueError, r"tree_verify_with_key: `parents` must have shape \(3,\)"),
+  (lambda: verify(P_EXAMPLE, Q_EXAMPLE, np.array(1), key=jax.random.key(0)), ValueError,
+   r"verify: `draft` must have rank 1, got shape \(\) \(rank 0\)"),
+  (lambda: block_verify(P_EXAMPLE, Q_EXAMPLE, 1, key=jax.random.key(0)), ValueError,
+   r"block_verify: `draft` must have rank 1"),
+  (lambda: verify_logits(np.zeros((3, 3), int), np.zeros((2, 3)),
+                                  [1, 2], key=jax.random.key(0)), TypeError,
+   r"verify_logits: `target_logits` must have a floating dtype, got int64"),
+  (lambda: verify_logits(jnp.zeros((3, 3), int), jnp.zeros((2, 3)),
+                                  jnp.array([1, 2]), key=jax.random.key(0)), TypeError,
+   r"verify_logits: `target_logits` must have a floating dtype, got int32"),
+  (lambda: verify(P_EXAMPLE, Q_EXAMPLE, [1, 2], key=5), TypeError,
+   r"verify: `key` must be a jax.random key \(jax.random.key\(seed\)\), got int 5"),
+  (lambda: verify(P_EXAMPLE, Q_EXAMPLE,
+                           [1, 2], key=jax.random.split(jax.random.key(0), 2)), TypeError,
+   r"verify: `key` must be one jax.random key .* shape \(2,\)"),
+  (lambda: tree_verify(P_EXAMPLE, P_EXAMPLE, [-1, 0], [0, 1], key=jax.random.key(0)),
+   ValueError, r"tree_verify: `parents` must have shape \(3,\)"),
   (lambda: verify(P_EXAMPLE, [[0.5, 0.5], [0.2, 0.2, 0.6]], [1, 2], U_EXAMPLE), ValueError,
    r"verify: `q` must be a rectangular array \(nested sequences of equal lengths\), got a ragged "
    r"list"),
@@ -354,9 +352,9 @@ def test_with_key_and_host_values_get_clear_errors(call, error, match):
 def test_python_lists_work_everywhere():
   key = jax.random.key(0)
   p, q, d = P_EXAMPLE.tolist(), Q_EXAMPLE.tolist(), [1, 2]
-  for result in (verify_with_key(key, p, q, d), block_verify_with_key(key, p, q, d),
-                 verify_logits_with_key(key, np.log(P_EXAMPLE).tolist(),
-                                        np.log(Q_EXAMPLE).tolist(), d)):
+  for result in (verify(p, q, d, key=key), block_verify(p, q, d, key=key),
+                 verify_logits(np.log(P_EXAMPLE).tolist(),
+                                        np.log(Q_EXAMPLE).tolist(), d, key=key)):
     assert bool(result.valid) and 1 <= int(result.num_tokens) <= 3
   assert verify(p, q, d, U_EXAMPLE.tolist()).tokens.tolist() == [1, 2, 0]
 
@@ -442,8 +440,8 @@ def _packed(**kwargs):
 @pytest.mark.parametrize(("call", "error", "match"), [
   (lambda: verify(_P4, _Q4, [1], _U2[0], pad_id=2.7), ValueError,
    r"verify: `pad_id` must be a static int in int32 range \(the token slots are int32\), got 2.7"),
-  (lambda: verify_with_key(jax.random.key(0), _P4, _Q4, [1], pad_id="x"), ValueError,
-   r"verify_with_key: `pad_id` must be a static int in int32 range .* got 'x'"),
+  (lambda: verify(_P4, _Q4, [1], pad_id="x", key=jax.random.key(0)), ValueError,
+   r"verify: `pad_id` must be a static int in int32 range .* got 'x'"),
   (lambda: _packed(pad_id=2.7), ValueError, r"packed_verify: `pad_id` must be a static int"),
   (lambda: _packed(convention="vLLM"), ValueError,
    r"packed_verify: `convention` must be one of \('specdec', 'vllm', 'tpu_inference', "

@@ -31,7 +31,6 @@ from specdec_jax import UniformStream
 from specdec_jax import reference
 from specdec_jax import verify
 from specdec_jax._tree import tree_verify
-from specdec_jax._tree import tree_verify_with_key
 from tests._helpers import assert_same_distribution
 from tests._helpers import random_case
 
@@ -452,12 +451,12 @@ def test_ragged_trees_under_jit_and_vmap():
 
 def test_with_key_matches_explicit_uniforms():
   key = jax.random.key(5)
-  a = tree_verify_with_key(key, P_DOC, Q_DOC, PARENTS_DOC, TOKENS_DOC, law="without_replacement")
+  a = tree_verify(P_DOC, Q_DOC, PARENTS_DOC, TOKENS_DOC, law="without_replacement", key=key)
   u = jax.random.uniform(key, (3,), jnp.float32)
   b = tree_verify(P_DOC, Q_DOC, PARENTS_DOC, TOKENS_DOC, u, law="without_replacement")
   assert a.tokens.tolist() == b.tokens.tolist() and int(a.num_uniforms) == int(b.num_uniforms)
   keys = jax.random.split(key, 4)
-  batch = jax.vmap(lambda k: tree_verify_with_key(k, P_DOC, Q_DOC, PARENTS_DOC, TOKENS_DOC))(keys)
+  batch = jax.vmap(lambda k: tree_verify(P_DOC, Q_DOC, PARENTS_DOC, TOKENS_DOC, key=k))(keys)
   assert batch.tokens.shape == (4, 3) and np.all(batch.valid)
 
 

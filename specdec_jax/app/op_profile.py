@@ -8,7 +8,7 @@ Python stack it was traced from. :func:`hlo_locations` reads that map, :func:`op
 ``jax.profiler`` trace by op name (:func:`without_containers` drops the spans of control flow),
 and :func:`by_key` joins the two, so the time of a decoding
 loop splits into the target's call, the draft, processing and verification, and the loop's own
-bookkeeping (:func:`category`). ``tools/profile_loop.py`` does this for the SmolLM2 loops.
+bookkeeping (:func:`category`). ``benchmarks/profile_loop.py`` does this for the SmolLM2 loops.
 
 Example:
   >>> import jax, jax.numpy as jnp

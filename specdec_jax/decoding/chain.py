@@ -101,7 +101,7 @@ def speculative_generate(target: Model, draft: Draft, prompt_tokens: jax.Array,
 
   Prompts split over a mesh axis run data-parallel: one loop per shard under ``shard_map``,
   nothing crossing that axis per step (:mod:`specdec_jax.decoding.data_parallel`).
-  Multi-host: see README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     target: the target :class:`Model`.

@@ -117,7 +117,7 @@ def generate(model: Model, prompt_tokens: jax.Array, prompt_lengths: jax.Array, 
 
   Prompts split over a mesh axis run data-parallel: one loop per shard under ``shard_map``,
   nothing crossing that axis per step (:mod:`specdec_jax.decoding.data_parallel`).
-  Multi-host: see README, "Running on many devices and hosts".
+  Multi-host: see the docs, "Sharding and many hosts".
 
   Args:
     model: the target :class:`Model`. Its ``apply``/``init_cache`` are static: reuse

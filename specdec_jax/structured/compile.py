@@ -4,7 +4,7 @@ outlines-core (the ``structured`` extra) builds the token-level automaton of a r
 model's vocabulary (``Index``) and turns a JSON schema into that regex; this module walks it
 once, on the host, into dense NumPy tables: token classes, the next state of each (state,
 class), deduplicated bitmask rows, final states, and the token each state forces (a draft
-proposed for free). Chosen by measurement on this CPU (docs: README "Structured output"):
+proposed for free). Chosen by measurement on this CPU (docs: "Structured output"):
 llguidance computes masks but exposes no automaton to put on the device, and xgrammar's wheel
 imports torch.
 
