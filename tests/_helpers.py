@@ -200,3 +200,19 @@ def keyed(fn):
     return fn(**dict(zip(names, args, strict=False)), key=key, **kwargs)
 
   return call
+
+
+def longest_match_encoder(tokens):
+  """A toy tokenizer over ``tokens`` (each id's bytes, None for control ids): ``encode(text)``
+  takes the longest token that starts the rest of the text, as grammars' forced text is spelled
+  by :func:`specdec_jax.structured.compile_regex`'s ``encode``."""
+  def encode(text: str) -> list[int]:
+    data, out = text.encode(), []
+    while data:
+      best = max((i for i, t in enumerate(tokens) if t and data.startswith(t)),
+                 key=lambda i: len(tokens[i]))
+      out.append(best)
+      data = data[len(tokens[best]):]
+    return out
+
+  return encode

@@ -37,6 +37,7 @@ from specdec_jax.structured import stack_grammars
 from specdec_jax.structured import start_states
 from specdec_jax.structured import state_bitmask
 from specdec_jax.structured import token_bytes_from_byte_level
+from tests._helpers import longest_match_encoder
 
 TOKENS = [bytes([c]) for c in range(32, 127)] + [b'{"', b'":', b'","', b'"}', b"name", b"role",
                                                     b"admin"] + [None]
@@ -59,14 +60,7 @@ REGEX = r"[0-9]{3}-[a-z]{2}"
 NEW = 200  # more than the longest text either grammar accepts
 
 
-def _encode(text: str) -> list[int]:
-  data, out = text.encode(), []
-  while data:
-    best = max((i for i, t in enumerate(TOKENS) if t and data.startswith(t)),
-               key=lambda i: len(TOKENS[i]))
-    out.append(best)
-    data = data[len(TOKENS[best]):]
-  return out
+_encode = longest_match_encoder(TOKENS)
 
 
 @functools.cache

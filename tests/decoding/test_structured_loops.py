@@ -46,6 +46,7 @@ from specdec_jax.structured import next_state
 from specdec_jax.structured import stack_grammars
 from specdec_jax.structured import walk
 from specdec_jax.theory import chi_square_test
+from tests._helpers import longest_match_encoder
 from tests._helpers import sequence_index
 
 ALPHA = 0.01  # family-wise over the five loops and the forced-text test
@@ -56,15 +57,7 @@ LANGUAGE = {b"".join(p) + c for n in (1, 2, 3)
 REGEX = r"(ab|ba){1,3}c?"
 
 
-def _encode(text: str) -> list[int]:
-  """The toy tokenizer: longest match first."""
-  data, out = text.encode(), []
-  while data:
-    best = max((i for i, t in enumerate(TOKENS) if t and data.startswith(t)),
-               key=lambda i: len(TOKENS[i]))
-    out.append(best)
-    data = data[len(TOKENS[best]):]
-  return out
+_encode = longest_match_encoder(TOKENS)
 
 
 COMPILED = compile_regex(REGEX, TOKENS, EOS, encode=_encode)
