@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specdec_jax import ErrorCode
 from specdec_jax import SamplingParams
@@ -37,6 +39,7 @@ from specdec_jax.structured import stack_grammars
 from specdec_jax.structured import start_states
 from specdec_jax.structured import state_bitmask
 from specdec_jax.structured import token_bytes_from_byte_level
+from tests._fuzz_strategies import fuzz
 from tests._helpers import longest_match_encoder
 
 TOKENS = [bytes([c]) for c in range(32, 127)] + [b'{"', b'":', b'","', b'"}', b"name", b"role",
@@ -251,3 +254,47 @@ def test_a_batch_split_over_a_mesh_gives_the_unsplit_tokens():
                                        grammar_state=state, **run))
     np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
     np.testing.assert_array_equal(outs[1].grammar.state, outs[0].grammar.state)
+
+
+_FUZZ_ROWS = 6
+
+
+@functools.cache
+def _fuzz_loop():
+  grammar = _grammar()
+
+  @jax.jit
+  def run(prompts, states, temperature, key):
+    return speculative_generate(TARGET, PromptLookup(), prompts, jnp.full((_FUZZ_ROWS,), 3),
+                                key, gamma=3, max_new_tokens=12, eos_id=EOS, grammar=grammar,
+                                grammar_state=states,
+                                params=SamplingParams(temperature=temperature))
+
+  return run
+
+
+@fuzz(25)
+@given(seed=st.integers(0, 2**31 - 1),
+       states=st.lists(st.integers(-5, 10_000), min_size=_FUZZ_ROWS, max_size=_FUZZ_ROWS),
+       temperature=st.sampled_from([0.0, 0.7, 1.0, 5.0]))
+def test_fuzzed_states_and_prompts_never_leave_the_grammar(seed, states, temperature):
+  """Any traced initial state (inside the table, outside it, free) and any prompt ids: every id
+  written stays in [0, V), a state outside the table sets GRAMMAR and writes nothing, and every
+  other row's tokens walk its grammar without leaving it (host NumPy walk of the tables)."""
+  grammar = jax.device_get(_grammar())
+  prompts = np.random.default_rng(seed).integers(0, V, (_FUZZ_ROWS, 3)).astype(np.int32)
+  states = np.asarray(states, np.int32)
+  out = _fuzz_loop()(prompts, states, jnp.full((_FUZZ_ROWS,), temperature, jnp.float32),
+                     jax.random.key(seed))
+  tokens, lengths, error = (np.asarray(a) for a in (out.tokens, out.lengths, out.error))
+  assert ((tokens == -1) | ((tokens >= 0) & (tokens < V))).all()
+  for b in range(_FUZZ_ROWS):
+    outside = not 0 <= states[b] < grammar.next_state.shape[0]
+    assert bool(error[b] & ErrorCode.GRAMMAR) == outside, (b, states[b], error[b])
+    if outside:
+      assert lengths[b] == 3
+      continue
+    state = states[b]
+    for t in tokens[b, 3:lengths[b]]:
+      state = grammar.next_state[state, grammar.token_class[grammar.state_grammar[state], t]]
+      assert state >= 0, (b, tokens[b])
