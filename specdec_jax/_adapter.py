@@ -12,10 +12,10 @@ import numpy as np
 
 from specdec_jax._checks import FLOAT
 from specdec_jax._checks import check_host_dtype
+from specdec_jax._checks import compute_dtype
 from specdec_jax._errors import row_tolerance
 from specdec_jax._rule import accepts
 from specdec_jax._sampling import sample_index
-from specdec_jax._verify import compute_dtype
 from specdec_jax._verify import verify
 
 

@@ -28,6 +28,7 @@ from specdec_jax._batching import branch
 from specdec_jax._batching import per_sequence
 from specdec_jax._chain import CHAIN_ARRAYS
 from specdec_jax._chain import VerifyResult
+from specdec_jax._chain import chain_randomness
 from specdec_jax._chain import finish
 from specdec_jax._chain import gather_draft_probs
 from specdec_jax._chain import prepare
@@ -44,14 +45,13 @@ from specdec_jax._params import check_bitmask
 from specdec_jax._residual import clean_masses
 from specdec_jax._residual import residual_pass
 from specdec_jax._residual import weights
-from specdec_jax._rows import first_column
 from specdec_jax._rows import masked_rows
 from specdec_jax._rows import sequence_rows
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import sample_blocks
 from specdec_jax._sampling import sanitize
-from specdec_jax._verify import chain_randomness
+from specdec_jax._threshold import first_column
 
 
 def log_block_weights(p_x: jax.Array, q_x: jax.Array) -> jax.Array:

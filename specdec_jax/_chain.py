@@ -25,6 +25,8 @@ from specdec_jax._errors import or_reduce
 from specdec_jax._errors import row_tolerance
 from specdec_jax._errors import uniform_codes
 from specdec_jax._errors import value_codes
+from specdec_jax._keys import key_uniforms
+from specdec_jax._keys import one_source
 from specdec_jax._rows import entries
 from specdec_jax._rows import sharded_entry
 
@@ -189,3 +191,8 @@ def finish(prep: Prepared, p_x, q_x, *, num_accepted, token, num_uniforms, teste
            | flag(prep.bad_limit, ErrorCode.BAD_NUM_DRAFT) | row_error)
   return VerifyResult(tokens=tokens, num_tokens=num_accepted + 1, num_accepted=num_accepted,
                       num_uniforms=num_uniforms, valid=error == 0, error=error)
+
+def chain_randomness(name: str, key, uniforms, gamma: int, dtype):
+  """The ``gamma + 1`` uniforms of a one-sequence chain verifier: given, or drawn from ``key``."""
+  one_source(name, key, uniforms)
+  return uniforms if key is None else key_uniforms(name, key, gamma + 1, dtype)

@@ -23,7 +23,7 @@ from specdec_jax._checks import is_concrete
 from specdec_jax._logits import SamplingParams
 
 if TYPE_CHECKING:
-  from specdec_jax._packed import PackedVerifyResult
+  from specdec_jax._results import PackedVerifyResult
 
 #: How each engine writes greedy / disabled sampling parameters (``convention=``).
 CONVENTIONS = ("specdec", "vllm", "tpu_inference", "sglang")

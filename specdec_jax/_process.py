@@ -28,7 +28,7 @@ from specdec_jax._threshold import top_k_mask
 from specdec_jax._threshold import top_p_mask
 
 if TYPE_CHECKING:
-  from specdec_jax._logits import SamplingParams
+  from specdec_jax._params import SamplingParams
 
 
 def scaled_logits(logits: jax.Array, temperature,

@@ -30,6 +30,7 @@ from specdec_jax._adjust import edited_entries
 from specdec_jax._adjust import edited_slice
 from specdec_jax._lazy import LogitRows
 from specdec_jax._lazy import row_probs
+from specdec_jax._threshold import first_column
 
 #: ``read(row, start, size) -> (size,)``: a slice of one row of one sequence's array.
 Reader = Callable[[jax.Array, jax.Array, int], jax.Array]
@@ -183,13 +184,6 @@ def shifted(read: Reader, offset) -> Reader:
   Rows past the array are clipped by ``dynamic_slice`` (a rule never uses them).
   """
   return lambda row, start, size: read(offset + row, start, size)
-
-
-def first_column(local_vocab: int, axis_name: str | None) -> jax.Array:
-  """The global id of this device's first column (0 without ``axis_name``)."""
-  if axis_name is None:
-    return jnp.int32(0)
-  return lax.axis_index(axis_name).astype(jnp.int32) * local_vocab
 
 
 def sharded_entry(read_local: Callable[[jax.Array], jax.Array], token, local_vocab: int,

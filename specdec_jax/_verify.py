@@ -11,6 +11,7 @@ from specdec_jax._batching import branch
 from specdec_jax._batching import per_sequence
 from specdec_jax._chain import CHAIN_ARRAYS
 from specdec_jax._chain import VerifyResult
+from specdec_jax._chain import chain_randomness
 from specdec_jax._chain import finish
 from specdec_jax._chain import gather_draft_probs
 from specdec_jax._chain import prepare
@@ -21,8 +22,6 @@ from specdec_jax._checks import compute_dtype
 from specdec_jax._checks import public_jit
 from specdec_jax._errors import psum_if
 from specdec_jax._errors import stop_row_error
-from specdec_jax._keys import key_uniforms
-from specdec_jax._keys import one_source
 from specdec_jax._logprobs import check_logprobs
 from specdec_jax._logprobs import finish_emitted
 from specdec_jax._params import check_bitmask
@@ -30,7 +29,6 @@ from specdec_jax._residual import RowStats
 from specdec_jax._residual import clean_masses
 from specdec_jax._residual import residual_pass
 from specdec_jax._residual import weights
-from specdec_jax._rows import first_column
 from specdec_jax._rows import masked_rows
 from specdec_jax._rows import reader
 from specdec_jax._rows import sequence_rows
@@ -39,6 +37,7 @@ from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import sample_blocks
 from specdec_jax._sampling import sanitize
+from specdec_jax._threshold import first_column
 
 
 def stop_row_stats(p_rows, q_rows, row, q_row_index, rejected, *, vocab: int, block: int,
@@ -158,10 +157,6 @@ def verify_rows(p, q, draft, uniforms, num_draft, *, pad_id: int, vocab: int,
                 accepted_all=~rejected)
 
 
-def chain_randomness(name: str, key, uniforms, gamma: int, dtype):
-  """The ``gamma + 1`` uniforms of a one-sequence chain verifier: given, or drawn from ``key``."""
-  one_source(name, key, uniforms)
-  return uniforms if key is None else key_uniforms(name, key, gamma + 1, dtype)
 
 
 @public_jit(arrays=CHAIN_ARRAYS, static_argnames=("pad_id", "logprobs", "logprobs_mode"))

@@ -144,3 +144,57 @@ def test_no_module_is_over_about_400_lines():
     if (n := len(path.read_text().splitlines())) > 400:
       long[str(path.relative_to(PACKAGE))] = n
   assert not long, long
+
+
+#: The layers inside the core, lowest first: a module imports only from its own layer or below.
+#: (The rules do not import each other, except the tree rule its walk and the registry all three.)
+CORE_LAYERS = {
+  "primitives": ("_errors", "_checks", "_keys", "_rule", "_sampling", "_results", "_links"),
+  "logits": ("_params", "_threshold", "_row_passes", "_process", "_logits", "_cuts", "_adjust",
+             "_request", "_lazy"),
+  "rows": ("_rows", "_batching", "_residual", "_chain", "_logprobs"),
+  "rules": ("_verify", "_block", "_tree_walk", "_tree", "_rules"),
+  "layouts": ("_from_logits", "_engine", "_packed_checks", "_packed", "_packed_tree", "_mesh",
+              "_vocab_parallel", "_vocab_parallel_packed", "_adapter"),
+}
+
+
+def _core_imports() -> dict[str, set[str]]:
+  graph = {}
+  for path in PACKAGE.glob("_*.py"):
+    if path.stem in ("__init__", "__main__"):
+      continue
+    graph[path.stem] = {m.split(".")[1] for m in _imports(path.read_text())
+                        if m.count(".") == 1 and m.split(".")[1].startswith("_")} - {path.stem}
+  return graph
+
+
+def test_every_core_module_has_a_layer():
+  placed = {m for layer in CORE_LAYERS.values() for m in layer}
+  assert set(_core_imports()) == placed, set(_core_imports()) ^ placed
+
+
+def test_the_core_layers_import_downward_only_and_without_cycles():
+  """primitives <- logits <- rows <- rules <- layouts; no import cycle among the modules; a rule
+  never imports another rule (they share the rows layer's skeleton instead)."""
+  rank = {m: i for i, layer in enumerate(CORE_LAYERS.values()) for m in layer}
+  graph = _core_imports()
+  up = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if rank[d] > rank[m]]
+  assert not up, up
+  rules = set(CORE_LAYERS["rules"])
+  allowed = {("_tree", "_tree_walk")} | {("_rules", r) for r in rules}
+  across = [(m, d) for m in rules for d in graph[m] & rules if (m, d) not in allowed]
+  assert not across, across
+  state: dict[str, int] = {}
+
+  def visit(m, path):
+    state[m] = 1
+    for d in graph[m]:
+      assert state.get(d) != 1, f"import cycle: {' -> '.join([*path, m, d])}"
+      if d not in state:
+        visit(d, [*path, m])
+    state[m] = 2
+
+  for m in graph:
+    if m not in state:
+      visit(m, [])
