@@ -7,6 +7,7 @@ stateful ``rng.random()`` interface on top and a literal NumPy reference beside 
 
 from specdec_jax import reference
 from specdec_jax import theory
+from specdec_jax._accept import accepts
 from specdec_jax._adapter import UniformStream
 from specdec_jax._adapter import sample
 from specdec_jax._adapter import speculative_step
@@ -30,12 +31,11 @@ from specdec_jax._request import bitmask_from_ids
 from specdec_jax._request import bitmask_from_mask
 from specdec_jax._request import logit_bias_arrays
 from specdec_jax._request import output_ids_from_counts
-from specdec_jax._rule import accepts
+from specdec_jax._results import VerifyResult
 from specdec_jax._sampling import sample_index
 from specdec_jax._sampling import sample_index_sharded
 from specdec_jax._tree import TreeVerifyResult
 from specdec_jax._tree import tree_verify
-from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax._vocab_parallel import vocab_parallel_tree_verify
 from specdec_jax._vocab_parallel import vocab_parallel_verify

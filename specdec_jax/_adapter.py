@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax._accept import accepts
 from specdec_jax._checks import FLOAT
 from specdec_jax._checks import check_host_dtype
 from specdec_jax._checks import compute_dtype
 from specdec_jax._errors import row_tolerance
-from specdec_jax._rule import accepts
 from specdec_jax._sampling import sample_index
 from specdec_jax._verify import verify
 

@@ -27,7 +27,6 @@ from specdec_jax._batching import anchored
 from specdec_jax._batching import branch
 from specdec_jax._batching import per_sequence
 from specdec_jax._chain import CHAIN_ARRAYS
-from specdec_jax._chain import VerifyResult
 from specdec_jax._chain import chain_randomness
 from specdec_jax._chain import finish
 from specdec_jax._chain import gather_draft_probs
@@ -45,6 +44,7 @@ from specdec_jax._params import check_bitmask
 from specdec_jax._residual import clean_masses
 from specdec_jax._residual import residual_pass
 from specdec_jax._residual import weights
+from specdec_jax._results import VerifyResult
 from specdec_jax._rows import masked_rows
 from specdec_jax._rows import sequence_rows
 from specdec_jax._sampling import BLOCK

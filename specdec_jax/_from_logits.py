@@ -20,7 +20,6 @@ from specdec_jax._adjust import chain_prefixes
 from specdec_jax._adjust import needs_edits
 from specdec_jax._adjust import tree_prefixes
 from specdec_jax._chain import CHAIN_ARRAYS
-from specdec_jax._chain import VerifyResult
 from specdec_jax._checks import FLOAT
 from specdec_jax._checks import INT
 from specdec_jax._checks import KEY
@@ -41,6 +40,7 @@ from specdec_jax._logprobs import path_rows
 from specdec_jax._params import check_bitmask
 from specdec_jax._params import check_history
 from specdec_jax._params import history_error
+from specdec_jax._results import VerifyResult
 from specdec_jax._rules import CHAIN_RULES
 from specdec_jax._rules import TREE_RULE
 from specdec_jax._tree import TreeVerifyResult

@@ -1,11 +1,48 @@
-"""The result types of the packed layouts (the six fields every result starts with, then the
-layout's own; :class:`~specdec_jax.VerifyResult` documents the shared ones)."""
+"""The result types: :class:`VerifyResult` (one sequence; its six fields start every result of
+the library), and the packed layouts' (those six, then the layout's own)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import jax
+
+
+class VerifyResult(NamedTuple):
+  """What one verification step produced (one sequence; add a leading batch axis under vmap).
+
+  Every result type of the library starts with these six fields, in this order.
+
+  Attributes:
+    tokens: int32 ``(gamma + 1,)``. The accepted draft tokens, then the replacement
+      or bonus token, then ``pad_id`` in the unused slots.
+    num_tokens: int32 ``()``. How many leading entries of ``tokens`` are new tokens,
+      ``1 <= num_tokens <= gamma + 1``.
+    num_accepted: int32 ``()``. How many draft tokens were kept, ``num_tokens - 1``.
+    num_uniforms: int32 ``()``. How many uniforms the rule read: ``num_accepted + 2``
+      after a rejection, ``gamma + 1`` when every proposal was accepted.
+    valid: bool ``()``. True when every value the step read (the tested draft ids,
+      their gathered probabilities, the uniforms it read and the full row(s) it
+      sampled from) was in range and every row it read sums to 1.
+    error: int32 ``()``. :class:`ErrorCode` bit mask that says what was wrong; 0 when
+      ``valid``. Decode on the host with :func:`describe_error`.
+    logprobs: float32 ``(S,)`` with ``logprobs=k`` (else None): each emitted token's
+      log-probability under the target's processed distribution at its position (the
+      replacement's too; ``logprobs_mode="raw"``: the raw logits' softmax); NaN in unused slots
+      and for a caller's bonus token.
+    top_ids, top_logprobs: ``(S, k)`` with ``logprobs=k > 0``: the ``k`` most likely tokens of
+      each emitted token's distribution and their logprobs (ties toward the lower id).
+  """
+
+  tokens: jax.Array
+  num_tokens: jax.Array
+  num_accepted: jax.Array
+  num_uniforms: jax.Array
+  valid: jax.Array
+  error: jax.Array
+  logprobs: jax.Array | None = None
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
 
 
 class PackedVerifyResult(NamedTuple):
@@ -81,4 +118,4 @@ class PackedTreeVerifyResult(NamedTuple):
   top_logprobs: jax.Array | None = None
 
 
-__all__ = ["PackedTreeVerifyResult", "PackedVerifyResult"]
+__all__ = ["PackedTreeVerifyResult", "PackedVerifyResult", "VerifyResult"]

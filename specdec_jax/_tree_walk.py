@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specdec_jax._accept import accepts
 from specdec_jax._batching import anchored
 from specdec_jax._batching import branch
 from specdec_jax._errors import ErrorCode
@@ -28,7 +29,6 @@ from specdec_jax._residual import residual_pass
 from specdec_jax._residual import weights
 from specdec_jax._rows import ArrayRows
 from specdec_jax._rows import shifted
-from specdec_jax._rule import accepts
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import sample_blocks

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from specdec_jax._accept import accepts
 from specdec_jax._batching import anchored
 from specdec_jax._batching import branch
 from specdec_jax._batching import per_sequence
 from specdec_jax._chain import CHAIN_ARRAYS
-from specdec_jax._chain import VerifyResult
 from specdec_jax._chain import chain_randomness
 from specdec_jax._chain import finish
 from specdec_jax._chain import gather_draft_probs
@@ -29,10 +29,10 @@ from specdec_jax._residual import RowStats
 from specdec_jax._residual import clean_masses
 from specdec_jax._residual import residual_pass
 from specdec_jax._residual import weights
+from specdec_jax._results import VerifyResult
 from specdec_jax._rows import masked_rows
 from specdec_jax._rows import reader
 from specdec_jax._rows import sequence_rows
-from specdec_jax._rule import accepts
 from specdec_jax._sampling import BLOCK
 from specdec_jax._sampling import mask_block
 from specdec_jax._sampling import sample_blocks

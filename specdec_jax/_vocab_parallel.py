@@ -21,7 +21,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax._adjust import needs_edits
-from specdec_jax._chain import VerifyResult
 from specdec_jax._checks import check_chain
 from specdec_jax._checks import check_pad_id
 from specdec_jax._checks import compute_dtype
@@ -47,6 +46,7 @@ from specdec_jax._mesh import host_arrays
 from specdec_jax._mesh import over_vocab
 from specdec_jax._mesh import per_request
 from specdec_jax._params import check_history
+from specdec_jax._results import VerifyResult
 from specdec_jax._rows import masked_rows
 from specdec_jax._rules import CHAIN_RULES
 from specdec_jax._rules import TREE_RULE

@@ -80,17 +80,17 @@ T_STRUCT = "tests/test_structured.py"
 
 #: The curated mutants. Keep each selection small: a mutant run should take well under 2 minutes.
 MUTANTS: tuple[Mutant, ...] = (
-  # --- the accept test (_rule.py) ------------------------------------------------------------
-  _m("rule-le", "_rule.py",
+  # --- the accept test (_accept.py) -----------------------------------------------------------
+  _m("rule-le", "_accept.py",
      "return u < acceptance_ratio(p_x, q_x)", "return u <= acceptance_ratio(p_x, q_x)",
      "accept test u <= p/q (accepts p(x) = 0 when u = 0)", T_TRAPS),
-  _m("rule-swap-pq", "_rule.py",
+  _m("rule-swap-pq", "_accept.py",
      "return u < acceptance_ratio(p_x, q_x)", "return u < acceptance_ratio(q_x, p_x)",
      "accept test with p and q swapped (u < q/p)", T_WORKED),
-  _m("rule-q0-reject", "_rule.py",
+  _m("rule-q0-reject", "_accept.py",
      "xp.where(p_x > 0, inf, zero)", "xp.where(p_x > 0, zero, zero)",
      "q(x) = 0 < p(x) rejected instead of always accepted", T_TRAPS, "-k", "zero_q"),
-  _m("rule-q0-accept", "_rule.py",
+  _m("rule-q0-accept", "_accept.py",
      "xp.where(p_x > 0, inf, zero)", "xp.where(p_x > 0, inf, inf)",
      "q(x) = 0 = p(x) accepted (0/0 as a silent accept)", T_TRAPS, "-k", "zero_q"),
   # --- the inverse-CDF sampler (_sampling.py) -------------------------------------------------

@@ -20,8 +20,8 @@ from specdec_jax._adjust import chain_prefixes
 from specdec_jax._adjust import needs_edits
 from specdec_jax._block import block_verify
 from specdec_jax._logprobs import finish_emitted
+from specdec_jax._results import VerifyResult
 from specdec_jax._rules import CHAIN_RULES
-from specdec_jax._verify import VerifyResult
 from specdec_jax._verify import verify
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
 from specdec_jax.decoding.adaptive import CostFit
