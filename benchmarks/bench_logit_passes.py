@@ -16,7 +16,7 @@ import numpy as np
 
 import specdec_jax
 from specdec_jax import SamplingParams
-from specdec_jax._lazy import logit_stats
+from specdec_jax._logits.lazy import logit_stats
 from specdec_jax.app import bench_logits
 
 ROUNDS = 20

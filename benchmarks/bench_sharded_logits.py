@@ -36,7 +36,7 @@ def main(argv=None) -> None:
 
   import specdec_jax
   from specdec_jax import SamplingParams
-  from specdec_jax._lazy import logit_stats
+  from specdec_jax._logits.lazy import logit_stats
   from specdec_jax.app import bench_logits
   from specdec_jax.app.tables import format_table
 

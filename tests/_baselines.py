@@ -7,9 +7,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specdec_jax._logits import SamplingParams
-from specdec_jax._logits import scaled_logits
-from specdec_jax._process import kept_set_keys
+from specdec_jax._logits.process import SamplingParams
+from specdec_jax._logits.process import scaled_logits
+from specdec_jax._logits.transform import kept_set_keys
 
 
 def sorted_process_row(logits: jax.Array, params: SamplingParams) -> jax.Array:

@@ -11,8 +11,8 @@ import numpy as np
 
 from specdec_jax import SamplingParams
 from specdec_jax import process_logits
-from specdec_jax._sampling import first_hit
-from specdec_jax._sampling import sanitize
+from specdec_jax._core.sampling import first_hit
+from specdec_jax._core.sampling import sanitize
 from specdec_jax.theory import chi_square_test
 
 # The worked example: draft [1, 2] is all accepted ([1, 2, 0], 3 draws), [0, 2] rejected at once

@@ -23,7 +23,7 @@ from specdec_jax import UniformStream
 from specdec_jax import reference
 from specdec_jax import theory
 from specdec_jax import verify
-from specdec_jax._block import block_verify
+from specdec_jax._rules.block import block_verify
 from specdec_jax.decoding import VERIFIERS
 from specdec_jax.decoding import generate
 from specdec_jax.decoding import speculative_generate

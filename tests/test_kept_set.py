@@ -1,8 +1,8 @@
 """One definition of the kept set everywhere (issue 44, items 1-3 and 13).
 
 The kept set of top-k / top-p is cut on the raw logits, ties toward the lower id
-(:func:`specdec_jax._process.kept_set_keys`); ``specdec_jax.reference.process_logits`` states
-it in float64. These tests hold every place that processes logits to it:
+(:func:`specdec_jax._logits.transform.kept_set_keys`); ``specdec_jax.reference.process_logits``
+states it in float64. These tests hold every place that processes logits to it:
 
 * rows whose top logits are an ulp apart (a temperature rounds them to one value) at several
   temperatures, through ``process_logits``, ``sample_draft``, the lazy statistics and every
@@ -33,9 +33,9 @@ from jax.sharding import AxisType
 
 import specdec_jax as sd
 from specdec_jax import reference
-from specdec_jax._lazy import CANDIDATES
-from specdec_jax._lazy import logit_stats
-from specdec_jax._lazy import row_probs
+from specdec_jax._logits.lazy import CANDIDATES
+from specdec_jax._logits.lazy import logit_stats
+from specdec_jax._logits.lazy import row_probs
 from tests._baselines import sorted_process_row
 
 V = 104  # divisible by 2, 4 and 8 (the vocab-parallel cells)

@@ -92,8 +92,8 @@ def test_imports_point_one_way():
   ("specdec_jax.models.llama", "from specdec_jax import speculative_generate"),
   ("specdec_jax.models.protocol", "from specdec_jax.decoding import PromptLookup"),
   ("specdec_jax.decoding.chain", "from specdec_jax.models.llama import make_model"),
-  ("specdec_jax._verify", "from specdec_jax.decoding import generate"),
-  ("specdec_jax._verify", "from specdec_jax.app import cli"),
+  ("specdec_jax._rules.tokenwise", "from specdec_jax.decoding import generate"),
+  ("specdec_jax._rules.tokenwise", "from specdec_jax.app import cli"),
 ])
 def test_an_import_against_the_direction_is_caught(module, source):
   assert _violations(module, source), f"{module}: {source!r} was not caught"
@@ -146,55 +146,103 @@ def test_no_module_is_over_about_400_lines():
   assert not long, long
 
 
-#: The layers inside the core, lowest first: a module imports only from its own layer or below.
-#: (The rules do not import each other, except the tree rule its walk and the registry all three.)
-CORE_LAYERS = {
-  "primitives": ("_errors", "_checks", "_keys", "_accept", "_sampling", "_results", "_links"),
-  "logits": ("_params", "_threshold", "_row_passes", "_process", "_logits", "_cuts", "_adjust",
-             "_request", "_lazy"),
-  "rows": ("_rows", "_batching", "_residual", "_chain", "_logprobs"),
-  "rules": ("_verify", "_block", "_tree_walk", "_tree", "_rules"),
-  "layouts": ("_from_logits", "_engine", "_packed_checks", "_packed", "_packed_tree", "_mesh",
-              "_vocab_parallel", "_vocab_parallel_packed", "_adapter"),
-}
+#: The layers inside the core, lowest first, one private package each: a module imports only from
+#: its own package or one below. (The rules do not import each other, except the tree rule its
+#: walk and the registry all of them.) The public modules ``host``, ``reference`` and ``theory``
+#: sit on top of the core.
+CORE_LAYERS = ("_core", "_logits", "_rows", "_rules", "_layouts")
+RULES_MAY_IMPORT = {("tree", "tree_walk")} | {("registry", r) for r in
+                                               ("tokenwise", "block", "tree", "tree_walk")}
+
+
+def _core_modules() -> dict[str, Path]:
+  """``{"_rows.chain": path, ...}``: every module of the five layer packages."""
+  return {f"{path.parent.name}.{path.stem}": path for layer in CORE_LAYERS
+          for path in (PACKAGE / layer).glob("*.py") if path.stem != "__init__"}
 
 
 def _core_imports() -> dict[str, set[str]]:
+  modules = _core_modules()
   graph = {}
-  for path in PACKAGE.glob("_*.py"):
-    if path.stem in ("__init__", "__main__"):
-      continue
-    graph[path.stem] = {m.split(".")[1] for m in _imports(path.read_text())
-                        if m.count(".") == 1 and m.split(".")[1].startswith("_")} - {path.stem}
+  for name, path in modules.items():
+    deps = {".".join(m.split(".")[1:3]) for m in _imports(path.read_text())}
+    graph[name] = (deps & set(modules)) - {name}
   return graph
 
 
-def test_every_core_module_has_a_layer():
-  placed = {m for layer in CORE_LAYERS.values() for m in layer}
-  assert set(_core_imports()) == placed, set(_core_imports()) ^ placed
+def test_every_core_module_is_in_a_layer_package():
+  """No flat private module is left beside the layer packages, and no other private package."""
+  flat = sorted(p.name for p in PACKAGE.glob("_*.py") if p.stem not in ("__init__", "__main__"))
+  assert not flat, flat
+  packages = sorted(p.name for p in PACKAGE.glob("_*") if p.is_dir() and p.name != "__pycache__")
+  assert packages == sorted(CORE_LAYERS), packages
+  assert all((PACKAGE / layer / "__init__.py").is_file() for layer in CORE_LAYERS)
 
 
-def test_the_core_layers_import_downward_only_and_without_cycles():
-  """primitives <- logits <- rows <- rules <- layouts; no import cycle among the modules; a rule
-  never imports another rule (they share the rows layer's skeleton instead)."""
-  rank = {m: i for i, layer in enumerate(CORE_LAYERS.values()) for m in layer}
-  graph = _core_imports()
-  up = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if rank[d] > rank[m]]
-  assert not up, up
-  rules = set(CORE_LAYERS["rules"])
-  allowed = {("_tree", "_tree_walk")} | {("_rules", r) for r in rules}
-  across = [(m, d) for m in rules for d in graph[m] & rules if (m, d) not in allowed]
-  assert not across, across
+def _downward_violations(graph: dict[str, set[str]]) -> list[str]:
+  rank = {layer: i for i, layer in enumerate(CORE_LAYERS)}
+  bad = [f"{m} -> {d} (up a layer)" for m, deps in graph.items() for d in deps
+         if rank[d.split(".")[0]] > rank[m.split(".")[0]]]
+  for m, deps in graph.items():
+    package, _, stem = m.partition(".")
+    for d in deps:
+      other_package, _, other = d.partition(".")
+      if package == other_package == "_rules" and (stem, other) not in RULES_MAY_IMPORT:
+        bad.append(f"{m} -> {d} (a rule imports another rule)")
   state: dict[str, int] = {}
 
   def visit(m, path):
     state[m] = 1
-    for d in graph[m]:
-      assert state.get(d) != 1, f"import cycle: {' -> '.join([*path, m, d])}"
-      if d not in state:
+    for d in sorted(graph[m]):
+      if state.get(d) == 1:
+        bad.append(f"import cycle: {' -> '.join([*path, m, d])}")
+      elif d not in state:
         visit(d, [*path, m])
     state[m] = 2
 
-  for m in graph:
+  for m in sorted(graph):
     if m not in state:
       visit(m, [])
+  return bad
+
+
+def test_the_core_layers_import_downward_only_and_without_cycles():
+  """_core <- _logits <- _rows <- _rules <- _layouts; no import cycle among the modules; a rule
+  never imports another rule (they share the rows layer's skeleton instead)."""
+  bad = _downward_violations(_core_imports())
+  assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("edit", [
+  ("_core.checks", "_rows.chain"),          # a primitive reaching up to the skeleton
+  ("_rules.block", "_rules.tokenwise"),     # a rule importing another rule
+  ("_logits.transform", "_logits.process"),  # the cycle issue 47 broke, put back
+])
+def test_a_layering_break_is_caught(edit):
+  graph = _core_imports()
+  module, dep = edit
+  assert dep not in graph[module]
+  graph[module] = graph[module] | {dep}
+  assert _downward_violations(graph), edit
+
+
+def _private_names_taken_across_packages() -> list[str]:
+  bad = []
+  for path in sorted(PACKAGE.rglob("*.py")):
+    here = _module_name(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+      if not (isinstance(node, ast.ImportFrom) and node.module
+              and node.module.startswith("specdec_jax.")):
+        continue
+      same_package = node.module.rpartition(".")[0] == here.rpartition(".")[0]
+      for alias in node.names:
+        if alias.name.startswith("_") and not same_package:
+          bad.append(f"{here} takes {node.module}.{alias.name}")
+  return bad
+
+
+def test_no_private_name_is_taken_from_another_package():
+  """A name with a leading underscore stays inside its package: other layers, the loops and the
+  application use what a module offers without one."""
+  bad = _private_names_taken_across_packages()
+  assert not bad, "\n".join(bad)

@@ -1,4 +1,5 @@
-"""Logits as a lazily processed row source (specdec_jax._lazy): statistics against processing.
+"""Logits as a lazily processed row source (specdec_jax._logits.lazy): statistics against
+processing.
 
 * The probabilities :func:`row_probs` reads from the per-row statistics equal
   ``process_logits`` (the stable-sort reference of tests/test_logits_threshold.py): the same
@@ -27,10 +28,10 @@ from hypothesis import given
 from hypothesis import settings
 
 import specdec_jax as sd
-import specdec_jax._lazy as lazy
-import specdec_jax._row_passes as row_passes
-from specdec_jax._lazy import logit_stats
-from specdec_jax._lazy import row_probs
+import specdec_jax._logits.lazy as lazy
+import specdec_jax._logits.passes as row_passes
+from specdec_jax._logits.lazy import logit_stats
+from specdec_jax._logits.lazy import row_probs
 from tests.test_logits_threshold import OLD
 from tests.test_logits_threshold import near_top_p
 from tests.test_logits_threshold import rows
@@ -231,7 +232,7 @@ def test_no_processed_copy_in_the_compiled_program():
   """From logits with per-request temperature, top-k and top-p: no array of ``T x V`` (a
   processed copy of the draft rows; ``(T + B) x V`` of the target rows) is written to memory:
   only statistics, the rows' block maxima and the candidates ``R x 64 x 32``."""
-  from specdec_jax._packed import packed_jit
+  from specdec_jax._layouts.packed import packed_jit
 
   batch, spec, vocab = 16, 4, 16384  # the candidates (R x 64 x 32 entries) are below T x V
   n = np.array([1, 0, 2, 1] * 4, np.int32)

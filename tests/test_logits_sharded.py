@@ -19,13 +19,13 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax import SamplingParams
-from specdec_jax import _lazy as lazy
-from specdec_jax._lazy import CANDIDATES
-from specdec_jax._lazy import LogitStats
-from specdec_jax._lazy import logit_stats
-from specdec_jax._logits import process_rows
-from specdec_jax._threshold import WAYS
-from specdec_jax._threshold import first_true
+from specdec_jax._logits import lazy as lazy
+from specdec_jax._logits.lazy import CANDIDATES
+from specdec_jax._logits.lazy import LogitStats
+from specdec_jax._logits.lazy import logit_stats
+from specdec_jax._logits.process import process_rows
+from specdec_jax._logits.threshold import WAYS
+from specdec_jax._logits.threshold import first_true
 from tests._helpers import largest_collective
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")

@@ -11,14 +11,14 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-import specdec_jax._threshold as threshold
+import specdec_jax._logits.threshold as threshold
 from specdec_jax import SamplingParams
 from specdec_jax import process_logits
-from specdec_jax._process import process_row
-from specdec_jax._threshold import first_true
-from specdec_jax._threshold import order_key
-from specdec_jax._threshold import top_k_mask
-from specdec_jax._threshold import top_p_mask
+from specdec_jax._logits.threshold import first_true
+from specdec_jax._logits.threshold import order_key
+from specdec_jax._logits.threshold import top_k_mask
+from specdec_jax._logits.threshold import top_p_mask
+from specdec_jax._logits.transform import process_row
 from tests._baselines import sorted_process_row
 
 TINY = float(np.finfo(np.float32).tiny)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import specdec_jax as sd
-from specdec_jax._lazy import CANDIDATES
+from specdec_jax._logits.lazy import CANDIDATES
 from tests._helpers import largest_collective
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")

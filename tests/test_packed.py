@@ -470,7 +470,7 @@ def test_no_padded_copy_in_the_compiled_program():
   n = np.array([1, 0, 2, 1] * 4, np.int32)  # T = 16 draft rows, T + B = 32 target rows
   total = int(n.sum())
   args = dict(max_spec_len=spec, bonus_rows=True, rule="token", pad_id=-1)
-  from specdec_jax._packed import packed_jit
+  from specdec_jax._layouts.packed import packed_jit
 
   lowered = packed_jit.lower(
     np.zeros(total, np.int32), n, np.zeros((total + batch, vocab), np.float32), None,

@@ -24,7 +24,7 @@ from specdec_jax import packed_tree_verify
 from specdec_jax import process_logits
 from specdec_jax import tree_verify
 from specdec_jax import vocab_parallel_packed_tree_verify
-from specdec_jax._packed_tree import parents_from_links
+from specdec_jax._layouts.packed_tree import parents_from_links
 from tests._helpers import per_position
 
 ALPHA = 0.01

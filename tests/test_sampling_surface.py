@@ -37,9 +37,9 @@ from jax.sharding import AxisType
 
 import specdec_jax as sd
 from specdec_jax import reference
-from specdec_jax._adjust import adjusted_row
-from specdec_jax._lazy import request_rows
-from specdec_jax._lazy import row_probs
+from specdec_jax._logits.adjust import adjusted_row
+from specdec_jax._logits.lazy import request_rows
+from specdec_jax._logits.lazy import row_probs
 from tests._helpers import assert_same_distribution
 
 V = 8
@@ -690,7 +690,7 @@ def test_bad_values_under_jit_are_flagged():
 def test_no_penalised_or_masked_copy_in_the_compiled_program():
   """Penalties, a bias, bad words, min_tokens, allowed ids and per-row grammar masks: the packed
   verifier writes no ``T x V`` array (only statistics, row edits ``R x E`` and bitmask words)."""
-  from specdec_jax._packed import packed_jit
+  from specdec_jax._layouts.packed import packed_jit
   from tests.test_lazy_logits import _largest_materialised
 
   batch, spec, vocab = 16, 4, 16384
@@ -853,8 +853,8 @@ def test_sglang_convention_applies_min_p_after_top_p():
 def test_min_p_last_statistics_equal_the_reference(candidates):
   """sglang-jax's order in the lazy statistics (the candidates and the bisection) and in
   process_row, on rows of 200 logits at several top-k / top-p / min_p."""
-  from specdec_jax._lazy import logit_stats
-  from specdec_jax._process import process_row
+  from specdec_jax._logits.lazy import logit_stats
+  from specdec_jax._logits.transform import process_row
 
   rng = np.random.default_rng(10)
   x = (rng.normal(size=(6, 200)) * 2).astype(np.float32)
@@ -880,7 +880,7 @@ def test_min_p_last_statistics_equal_the_reference(candidates):
 def test_min_p_one_keeps_exactly_the_top_tokens(candidates):
   """``min_p = 1`` keeps the tokens at the maximum (``p >= 1 * max p``, ties included) and no
   other, in the lazy statistics, in process_logits and in the reference."""
-  from specdec_jax._lazy import logit_stats
+  from specdec_jax._logits.lazy import logit_stats
 
   x = np.array([[0.0, 3.0, 1.0, 3.0, -2.0], [0.5, -1.0, 2.0, 1.0, 0.0]], np.float32)
   m = np.array([1.0, 1.0], np.float32)
@@ -901,8 +901,8 @@ def test_min_p_one_keeps_exactly_the_top_tokens(candidates):
 def test_tree_prefixes_run_root_first():
   """A tree node's row follows its path's tokens root first (the order multi-token bad words
   match in), the root excluded and the node included; the chain's row i follows draft[:i]."""
-  from specdec_jax._adjust import chain_prefixes
-  from specdec_jax._adjust import tree_prefixes
+  from specdec_jax._logits.adjust import chain_prefixes
+  from specdec_jax._logits.adjust import tree_prefixes
 
   parents = jnp.array([-1, 0, 1, 2, 0], jnp.int32)
   tokens = jnp.array([3, 7, 8, 9, 4], jnp.int32)

@@ -30,7 +30,7 @@ from specdec_jax import ErrorCode
 from specdec_jax import UniformStream
 from specdec_jax import reference
 from specdec_jax import verify
-from specdec_jax._tree import tree_verify
+from specdec_jax._rules.tree import tree_verify
 from tests._helpers import assert_same_distribution
 from tests._helpers import random_case
 

@@ -12,9 +12,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdec_jax._logits import SamplingParams
-from specdec_jax._logits import scaled_logits
-from specdec_jax._process import kept_set_keys
+from specdec_jax._logits.process import SamplingParams
+from specdec_jax._logits.process import scaled_logits
+from specdec_jax._logits.transform import kept_set_keys
 
 PAD_ID = -1
 

@@ -56,9 +56,9 @@ import numpy as np
 
 import specdec_jax
 from specdec_jax import SamplingParams
-from specdec_jax._logits import process_rows
-from specdec_jax._params import per_request
-from specdec_jax._params import take_rows
+from specdec_jax._logits.params import per_request
+from specdec_jax._logits.params import take_rows
+from specdec_jax._logits.process import process_rows
 from specdec_jax.app.baselines import eager_packed_sampler
 from specdec_jax.app.bench_packed import cell
 from specdec_jax.app.bench_packed import median_ms
@@ -227,9 +227,9 @@ def _eager(target, draft, ids, counts, uniforms, params, history, target_bitmask
            draft_bitmask, *, gamma):
   """Every position's row processed into probabilities first (its adjustments written out), then
   the verifier on probabilities: the path before the lazy row edits."""
-  from specdec_jax._adjust import row_edits
-  from specdec_jax._engine import row_owners
-  from specdec_jax._process import process_row
+  from specdec_jax._layouts.engine import row_owners
+  from specdec_jax._logits.adjust import row_edits
+  from specdec_jax._logits.transform import process_row
 
   batch = counts.shape[0]
   starts = jnp.cumsum(counts) - counts

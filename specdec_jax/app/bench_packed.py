@@ -37,7 +37,7 @@ import numpy as np
 
 import specdec_jax
 from specdec_jax import SamplingParams
-from specdec_jax._params import take_rows
+from specdec_jax._logits.params import take_rows
 from specdec_jax.app.baselines import eager_packed_sampler
 from specdec_jax.app.baselines import sorted_process_rows
 from specdec_jax.app.tables import format_table

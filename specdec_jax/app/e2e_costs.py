@@ -23,7 +23,7 @@ from specdec_jax import SamplingParams
 from specdec_jax import process_logits
 from specdec_jax import sample_index
 from specdec_jax import verify
-from specdec_jax._params import per_request
+from specdec_jax._logits.params import per_request
 from specdec_jax.decoding.chain_loop import verify_step
 from specdec_jax.decoding.request_rows import processed
 from specdec_jax.theory import expected_tokens_per_position

@@ -224,7 +224,8 @@ CATEGORIES = ("target model", "draft", "processing and sampling", "verification"
               "loop bookkeeping", "unattributed")
 
 _DRAFT_FUNCTIONS = {"eagle_apply", "eagle_tree_apply", "_layer"}
-_PROCESSING = {"_process.py", "_threshold.py", "_sampling.py", "_lazy.py", "_logits.py"}
+#: Logits processing and sampling: the logits layer of the core, and its inverse-CDF sampler.
+_PROCESSING = ("specdec_jax/_logits/", "specdec_jax/_core/sampling.py")
 
 
 def category(frames: tuple[Frame, ...]) -> str:
@@ -232,9 +233,9 @@ def category(frames: tuple[Frame, ...]) -> str:
 
   ``draft``: traced inside ``decoding/drafts.py`` or the EAGLE draft's own layer; ``target
   model``: else inside ``models/`` (the target's call, with the fused features EAGLE-3 reads);
-  else by the innermost specdec_jax file: logits processing and sampling, verification (the
-  other ``specdec_jax/_*.py``), the loop's bookkeeping (``decoding/``); ``unattributed``: no
-  specdec_jax frame.
+  else by the innermost specdec_jax file: logits processing and sampling (``_logits/``,
+  ``_core/sampling.py``), verification (the rest of the core), the loop's bookkeeping
+  (``decoding/``); ``unattributed``: no specdec_jax frame.
   """
   files = [(Path(f.file).as_posix(), f.function) for f in frames]
   ours = [(path, fn) for path, fn in files if "specdec_jax/" in path]
@@ -248,7 +249,7 @@ def category(frames: tuple[Frame, ...]) -> str:
   path = ours[0][0]
   if "specdec_jax/decoding/" in path:
     return "loop bookkeeping"
-  return "processing and sampling" if Path(path).name in _PROCESSING else "verification"
+  return "processing and sampling" if any(p in path for p in _PROCESSING) else "verification"
 
 
 def innermost(frames: tuple[Frame, ...]) -> str:

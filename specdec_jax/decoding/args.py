@@ -1,7 +1,7 @@
 """Host-side argument handling of the decoding loops: runs once per call, outside ``jit``.
 
 Shapes, dtypes and static arguments always raise; values raise where this host can read them
-(:func:`~specdec_jax._checks.is_concrete`), and otherwise are clipped under ``jit`` and flagged
+(:func:`~specdec_jax._core.checks.is_concrete`), and otherwise are clipped under ``jit`` and flagged
 in the result's ``error`` (see :func:`~specdec_jax.decoding.common.make_common`).
 """
 
@@ -18,13 +18,13 @@ from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 
-from specdec_jax._checks import INT
-from specdec_jax._checks import host_array
-from specdec_jax._checks import is_concrete
-from specdec_jax._logits import SamplingParams
-from specdec_jax._logits import check_params
-from specdec_jax._params import INT_FIELDS
-from specdec_jax._params import per_request
+from specdec_jax._core.checks import INT
+from specdec_jax._core.checks import host_array
+from specdec_jax._core.checks import is_concrete
+from specdec_jax._logits.params import INT_FIELDS
+from specdec_jax._logits.params import per_request
+from specdec_jax._logits.process import SamplingParams
+from specdec_jax._logits.process import check_params
 from specdec_jax.decoding.types import ModelFns
 from specdec_jax.models.protocol import Model
 from specdec_jax.structured.tables import Grammar
@@ -128,7 +128,7 @@ def row_keys(key, batch: int, name: str) -> jax.Array:
 
 def batch_params(params: SamplingParams, batch: int, name: str, *,
                  vocab: int | None = None) -> SamplingParams:
-  """Check (:func:`~specdec_jax._logits.check_params`; token ids against ``vocab``) and give
+  """Check (:func:`~specdec_jax._logits.process.check_params`; token ids against ``vocab``) and give
   every field a leading ``B`` (a list field: ``(B, L)``)."""
   params = check_params(params, name, batch, vocab=vocab)
   fields = {}

@@ -11,11 +11,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from specdec_jax._block import block_verify
-from specdec_jax._checks import check_pad_id
-from specdec_jax._logits import SamplingParams
-from specdec_jax._logprobs import check_logprobs
-from specdec_jax._verify import verify
+from specdec_jax._core.checks import check_pad_id
+from specdec_jax._logits.process import SamplingParams
+from specdec_jax._rows.logprobs import check_logprobs
+from specdec_jax._rules.block import block_verify
+from specdec_jax._rules.tokenwise import verify
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
 from specdec_jax.decoding.adaptive import check_policy
 from specdec_jax.decoding.args import StaticFunction

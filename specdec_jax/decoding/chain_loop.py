@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specdec_jax._adjust import chain_prefixes
-from specdec_jax._adjust import needs_edits
-from specdec_jax._block import block_verify
-from specdec_jax._logprobs import finish_emitted
-from specdec_jax._results import VerifyResult
-from specdec_jax._rules import CHAIN_RULES
-from specdec_jax._verify import verify
+from specdec_jax._core.results import VerifyResult
+from specdec_jax._logits.adjust import chain_prefixes
+from specdec_jax._logits.adjust import needs_edits
+from specdec_jax._rows.logprobs import finish_emitted
+from specdec_jax._rules.block import block_verify
+from specdec_jax._rules.registry import CHAIN_RULES
+from specdec_jax._rules.tokenwise import verify
 from specdec_jax.decoding.adaptive import AdaptiveSpeculation
 from specdec_jax.decoding.adaptive import CostFit
 from specdec_jax.decoding.adaptive import choose_num_draft
@@ -60,8 +60,8 @@ from specdec_jax.decoding.types import SpeculativeResult
 #: num_draft) -> VerifyResult`` for one sequence, the signature of :func:`~specdec_jax.verify`.
 Verifier = Callable[..., VerifyResult]
 
-#: The named verifiers' rules (:data:`~specdec_jax._rules.CHAIN_RULES`): the loop runs them on
-#: lazily processed logits (:func:`verify_step`).
+#: The named verifiers' rules (:data:`~specdec_jax._rules.registry.CHAIN_RULES`): the loop runs them
+#: on lazily processed logits (:func:`verify_step`).
 RULE_OF = {verify: "token", block_verify: "block"}
 
 _STATIC = ("target", "draft", "verifier", "gamma", "max_new_tokens", "max_len", "context",
@@ -218,11 +218,11 @@ def verify_step(verifier: Verifier, logits, params, q_rows, q, draft, uniforms, 
   the probabilities and ``q``.
 
   Row ``i`` of each sequence follows its ``history`` (:func:`~specdec_jax.decoding.common.
-  loop_history`) and ``draft[:i]`` (:func:`~specdec_jax._adjust.chain_prefixes`): the draft
+  loop_history`) and ``draft[:i]`` (:func:`~specdec_jax._logits.adjust.chain_prefixes`): the draft
   tokens before a position count as output, for the penalties, ``min_tokens`` and bad words.
   ``logprobs`` (static ``k`` or None): the result's ``logprobs`` ``(B, gamma + 1)`` (and top
   ``k``) of the emitted tokens under the rows they were drawn from
-  (:func:`~specdec_jax._logprobs.finish_emitted`, which also drops a final token drawn from a
+  (:func:`~specdec_jax._rows.logprobs.finish_emitted`, which also drops a final token drawn from a
   row that allows none: ``NO_ALLOWED_TOKEN``).
   """
   rule = RULE_OF.get(verifier)

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specdec_jax._adjust import History
-from specdec_jax._errors import ErrorCode
-from specdec_jax._errors import flag
-from specdec_jax._lazy import request_rows
-from specdec_jax._logits import params_error
-from specdec_jax._params import clipped
-from specdec_jax._sampling import sample_index
+from specdec_jax._core.errors import ErrorCode
+from specdec_jax._core.errors import flag
+from specdec_jax._core.sampling import sample_index
+from specdec_jax._logits.adjust import History
+from specdec_jax._logits.lazy import request_rows
+from specdec_jax._logits.params import clipped
+from specdec_jax._logits.process import params_error
 from specdec_jax.decoding.request_rows import batch_rows
 from specdec_jax.decoding.request_rows import edits_needed
 from specdec_jax.decoding.request_rows import empty_logprobs
@@ -197,7 +197,7 @@ def sample_step(logits, common: Common, history: History | None, lengths, *,
   Returns ``(tokens (B, 1), error (B,), logprobs, counts)``: ``NONFINITE`` bits for rows whose
   distribution was NaN; a :class:`Logprobs` of fields ``(B, 1)`` / ``(B, 1, k)`` with
   ``logprobs = k`` (else None), read from the same row's statistics
-  (:mod:`specdec_jax._logprobs`); and, when parameters adjust the logits, ``counts`` int32
+  (:mod:`specdec_jax._rows.logprobs`); and, when parameters adjust the logits, ``counts`` int32
   ``(B,)``: 0 where the adjusted row allows no token (valid logits, every token masked or
   banned: nothing is emitted, ``NO_ALLOWED_TOKEN`` too, as the verifiers report it), else 1
   (None without adjustments: every row emits its token)."""

@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specdec_jax._logprobs import result_specs
+from specdec_jax._rows.logprobs import result_specs
 from specdec_jax.decoding.types import DecodeStats
 from specdec_jax.decoding.types import GrammarOutcome
 

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specdec_jax._adjust import adjusted_row
-from specdec_jax._adjust import needs_edits
-from specdec_jax._adjust import row_edits
-from specdec_jax._checks import compute_dtype
-from specdec_jax._logits import process_unchecked
-from specdec_jax._process import process_row
-from specdec_jax._sampling import sample_index
+from specdec_jax._core.checks import compute_dtype
+from specdec_jax._core.sampling import sample_index
+from specdec_jax._logits.adjust import adjusted_row
+from specdec_jax._logits.adjust import needs_edits
+from specdec_jax._logits.adjust import row_edits
+from specdec_jax._logits.process import process_unchecked
+from specdec_jax._logits.transform import process_row
 from specdec_jax.decoding.args import model_fns
 from specdec_jax.decoding.common import uniform
 from specdec_jax.decoding.request_rows import row_bitmask

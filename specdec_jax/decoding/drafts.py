@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specdec_jax._logits import sample_unchecked
-from specdec_jax._sampling import sample_index
+from specdec_jax._core.sampling import sample_index
+from specdec_jax._logits.process import sample_unchecked
 from specdec_jax.decoding.common import run_one
 from specdec_jax.decoding.constrained import force
 from specdec_jax.decoding.request_rows import batch_rows

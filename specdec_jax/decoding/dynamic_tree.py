@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specdec_jax._adjust import needs_edits
-from specdec_jax._logits import process_unchecked
+from specdec_jax._logits.adjust import needs_edits
+from specdec_jax._logits.process import process_unchecked
 from specdec_jax.decoding.request_rows import adjusted
 from specdec_jax.decoding.request_rows import processed
 

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specdec_jax._checks import check_pad_id
-from specdec_jax._logits import SamplingParams
-from specdec_jax._logprobs import check_logprobs
+from specdec_jax._core.checks import check_pad_id
+from specdec_jax._logits.process import SamplingParams
+from specdec_jax._rows.logprobs import check_logprobs
 from specdec_jax.decoding.args import auto_axes
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget

@@ -8,19 +8,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specdec_jax._adjust import History
-from specdec_jax._adjust import adjusted_row
-from specdec_jax._adjust import needs_edits
-from specdec_jax._adjust import rows_edits
-from specdec_jax._checks import compute_dtype
-from specdec_jax._lazy import LogitRows
-from specdec_jax._lazy import request_rows
-from specdec_jax._logits import SamplingParams
-from specdec_jax._logits import process_unchecked
-from specdec_jax._logprobs import entry_logprobs
-from specdec_jax._logprobs import top_logprobs
-from specdec_jax._params import take_rows
-from specdec_jax._process import process_row
+from specdec_jax._core.checks import compute_dtype
+from specdec_jax._logits.adjust import History
+from specdec_jax._logits.adjust import adjusted_row
+from specdec_jax._logits.adjust import needs_edits
+from specdec_jax._logits.adjust import rows_edits
+from specdec_jax._logits.lazy import LogitRows
+from specdec_jax._logits.lazy import request_rows
+from specdec_jax._logits.params import take_rows
+from specdec_jax._logits.process import SamplingParams
+from specdec_jax._logits.process import process_unchecked
+from specdec_jax._logits.transform import process_row
+from specdec_jax._rows.logprobs import entry_logprobs
+from specdec_jax._rows.logprobs import top_logprobs
 from specdec_jax.decoding.types import Common
 from specdec_jax.decoding.types import Logprobs
 from specdec_jax.structured.tables import Grammar
@@ -251,14 +251,14 @@ def lazy_processed(logits: jax.Array, params: SamplingParams, history: History |
                    prefix: jax.Array | None = None, prefix_len: jax.Array | None = None, *,
                    logprobs: int = 0, raw: bool = False) -> tuple[LogitRows, LogitRows]:
   """``(B, R, V)`` logits with per-request ``params`` (fields ``(B, ...)``) as a lazily
-  processed row source (:mod:`specdec_jax._lazy`): what :func:`processed` would return, read
+  processed row source (:mod:`specdec_jax._logits.lazy`): what :func:`processed` would return, read
   where a rule reads it, without the ``(B, R, V)`` copy.
 
   ``history``, ``prefix`` ``(B, R, G)``, ``prefix_len`` ``(B, R)``: as in :func:`processed`
   (row ``r`` of request ``b`` follows ``prefix[b, r, :prefix_len[b, r]]`` after its history);
-  the rows' :class:`~specdec_jax._adjust.RowEdits` are made only when a parameter adjusts the
+  the rows' :class:`~specdec_jax._logits.adjust.RowEdits` are made only when a parameter adjusts the
   logits. ``logprobs``, ``raw``: the statistics the logprobs read
-  (:func:`~specdec_jax._lazy.logit_stats`).
+  (:func:`~specdec_jax._logits.lazy.logit_stats`).
 
   Returns ``(rows, in_axes)``: ``rows`` with statistics (and edits) ``(B, R, ...)``, and the
   ``jax.vmap`` axes that hand each sequence its ``(R, V)`` rows. The statistics are computed

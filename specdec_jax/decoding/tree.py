@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specdec_jax._adjust import needs_edits
-from specdec_jax._adjust import tree_prefixes
-from specdec_jax._checks import check_pad_id
-from specdec_jax._logits import SamplingParams
-from specdec_jax._logprobs import check_logprobs
+from specdec_jax._core.checks import check_pad_id
+from specdec_jax._logits.adjust import needs_edits
+from specdec_jax._logits.adjust import tree_prefixes
+from specdec_jax._logits.process import SamplingParams
+from specdec_jax._rows.logprobs import check_logprobs
 from specdec_jax.decoding.args import auto_axes
 from specdec_jax.decoding.args import batch_params
 from specdec_jax.decoding.args import check_budget

@@ -7,11 +7,11 @@ import functools
 
 import jax
 
-from specdec_jax._adjust import needs_edits
-from specdec_jax._logprobs import finish_emitted
-from specdec_jax._logprobs import path_rows
-from specdec_jax._rules import TREE_RULE
-from specdec_jax._tree import tree_verify
+from specdec_jax._logits.adjust import needs_edits
+from specdec_jax._rows.logprobs import finish_emitted
+from specdec_jax._rows.logprobs import path_rows
+from specdec_jax._rules.registry import TREE_RULE
+from specdec_jax._rules.tree import tree_verify
 from specdec_jax.decoding.args import StaticFunction
 from specdec_jax.decoding.draft_tree import check_draft_tree
 from specdec_jax.decoding.drafts import FeatureFns
@@ -37,7 +37,7 @@ def verify_tree(tree_verifier, logits, params, q, parents, parents_axis, node_to
   for; otherwise, and for any other verifier, the rows are processed first. Node ``u``'s row
   follows the row's ``history`` and ``prefix[:, u, :prefix_len[:, u]]``, the tokens of its
   path (the root excluded, ``u`` included). ``logprobs`` (static ``k`` or None): the emitted tokens'
-  logprobs under the rows they were drawn from (:func:`~specdec_jax._logprobs.finish_emitted`,
+  logprobs under the rows they were drawn from (:func:`~specdec_jax._rows.logprobs.finish_emitted`,
   which also drops a final token drawn from a row that allows none).
   """
   default = tree_verifier is default_tree_verifier(law, depth)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import jax
 
-from specdec_jax._logits import SamplingParams
+from specdec_jax._logits.process import SamplingParams
 
 
 class DecodeStats(NamedTuple):

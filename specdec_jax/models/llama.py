@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax._checks import is_concrete
+from specdec_jax._core.checks import is_concrete
 from specdec_jax.models.llama_forward import copy_slots
 from specdec_jax.models.llama_forward import decoder_layer as decoder_layer
 from specdec_jax.models.llama_forward import forward

@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax._checks import INT
-from specdec_jax._checks import host_array
-from specdec_jax._checks import is_concrete
+from specdec_jax._core.checks import INT
+from specdec_jax._core.checks import host_array
+from specdec_jax._core.checks import is_concrete
 
 
 class Model(NamedTuple):

@@ -1,0 +1,2 @@
+"""Primitives: the accept test, sampling, error codes, argument checks, keys, result types, tree
+links."""

@@ -1,0 +1,1 @@
+"""Logits to processed rows: sampling parameters, row edits, kept-set cuts, lazy statistics."""

@@ -1,0 +1,2 @@
+"""Row sources and what every rule shares: per-sequence reads, batching, the residual pass, the
+chain skeleton, logprobs."""
