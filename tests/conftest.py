@@ -11,14 +11,14 @@ import shutil
 import tempfile
 
 #: XLA:CPU code generation that compiles faster (issue 21: the suite is compile-bound; about 30%
-#: less compile time on tests/test_matrix.py's packed and vocab-parallel cells, their outputs
-#: bit-identical): the elemental emitters instead of the newer fusion emitters, and LLVM at -O1.
-#: Both only change how XLA lowers the same optimised HLO to machine code, so the agreement tests
-#: still compare two programs built the same way. Without the loop-invariant code motion pass
+#: less compile time on tests/layouts/test_matrix.py's packed and vocab-parallel cells, their
+#: outputs bit-identical): the elemental emitters instead of the newer fusion emitters, and LLVM at
+#: -O1. Both only change how XLA lowers the same optimised HLO to machine code, so the agreement
+#: tests still compare two programs built the same way. Without the loop-invariant code motion pass
 #: (which only hoists work out of while loops, the same operations on the same values): another
 #: 8% less CPU time on the loop-heavy files (tree and decoding loops, reliability), measured
 #: side by side. Set before JAX starts its backend; notebook
-#: kernels and tests/test_multihost.py's two worker processes inherit it; that test's third
+#: kernels and tests/layouts/test_multihost.py's two worker processes inherit it; that test's third
 #: process drops it and runs a few entry points (the logits layouts, a tree, two decoding loops)
 #: under XLA's defaults, which must equal, bit for bit, what this process computes with these
 #: flags.
@@ -33,7 +33,7 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 #: one of them (or compiled again after :func:`_release_executables` dropped it) is loaded,
 #: not compiled. Removed when the session ends (:func:`pytest_unconfigure`); a cache key
 #: covers the program, the XLA flags, the devices and the versions, so a hit is the same
-#: executable. tests/test_multihost.py's worker processes do without it.
+#: executable. tests/layouts/test_multihost.py's worker processes do without it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-jax-test-cache-")
   os.environ["SPECDEC_TEST_CACHE_OWNER"] = str(os.getpid())
@@ -53,20 +53,20 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 #: files such as test_multihost.py and the notebooks). Each took 35 s or more run alone on 2
 #: cores (issue 21); a file missing here just runs in its usual place, after these.
 SLOW_FILES = (
-  "tests/test_matrix.py",
+  "tests/layouts/test_matrix.py",
   "tests/decoding/test_tree_loop.py",
-  "tests/test_multihost.py",
+  "tests/layouts/test_multihost.py",
   "tests/test_reliability.py",
-  "tests/test_tree.py",
+  "tests/rules/test_tree.py",
   "notebooks/tutorial.ipynb",
   "tests/decoding/test_feature_adaptive.py",
-  "tests/test_packed.py",
-  "tests/test_sharding.py",
+  "tests/layouts/test_packed.py",
+  "tests/layouts/test_sharding.py",
   "tests/decoding/test_chain.py",
-  "tests/test_logits.py",
+  "tests/logits/test_logits.py",
   "notebooks/theory.ipynb",
   "tests/app/test_real_model.py",
-  "tests/test_logits_threshold.py",
+  "tests/logits/test_logits_threshold.py",
 )
 
 

@@ -56,27 +56,27 @@ def _m(id_, file, original, replacement, description, *tests) -> Mutant:
   return Mutant(id_, f"specdec_jax/{file}", original, replacement, description, tuple(tests))
 
 
-T_SAMPLE = "tests/test_sample.py"
-T_LAZY = "tests/test_lazy_logits.py"
-T_TRAPS = "tests/test_traps.py"
+T_SAMPLE = "tests/core/test_sample.py"
+T_LAZY = "tests/logits/test_lazy_logits.py"
+T_TRAPS = "tests/rules/test_traps.py"
 T_FEATURE = "tests/decoding/test_feature_adaptive.py"
 T_TREE_LOOP = "tests/decoding/test_tree_loop.py"
-T_WORKED = "tests/test_worked_examples.py"
-T_RAGGED = "tests/test_ragged_and_keys.py"
-T_FAST = "tests/test_fast_path.py"
-T_BLOCK = "tests/test_block.py"
-T_TREE = "tests/test_tree.py"
+T_WORKED = "tests/rules/test_worked_examples.py"
+T_RAGGED = "tests/rules/test_ragged_and_keys.py"
+T_FAST = "tests/rows/test_fast_path.py"
+T_BLOCK = "tests/rules/test_block.py"
+T_TREE = "tests/rules/test_tree.py"
 T_DYNAMIC = "tests/decoding/test_dynamic_tree.py"
-T_LOGITS = "tests/test_logits.py"
-T_PACKED = "tests/test_packed.py"
-T_KEPT = "tests/test_kept_set.py"
-T_BATCH = "tests/test_batch_invariance.py"
+T_LOGITS = "tests/logits/test_logits.py"
+T_PACKED = "tests/layouts/test_packed.py"
+T_KEPT = "tests/logits/test_kept_set.py"
+T_BATCH = "tests/rows/test_batch_invariance.py"
 T_TEMPLATE = "tests/app/test_chat_template.py"
-T_SURFACE = "tests/test_sampling_surface.py"
+T_SURFACE = "tests/logits/test_sampling_surface.py"
 T_SAMPLING_LOOPS = "tests/decoding/test_sampling_loops.py"
-T_SLOTS = "tests/test_agreement.py::test_verify_matches_reference_slot_for_slot_at_one_shape"
+T_SLOTS = "tests/rules/test_agreement.py::test_verify_matches_reference_slot_for_slot_at_one_shape"
 T_STRUCT_LOOPS = "tests/decoding/test_structured_loops.py"
-T_STRUCT = "tests/test_structured.py"
+T_STRUCT = "tests/structured/test_structured.py"
 
 #: The curated mutants. Keep each selection small: a mutant run should take well under 2 minutes.
 MUTANTS: tuple[Mutant, ...] = (
@@ -332,7 +332,7 @@ MUTANTS: tuple[Mutant, ...] = (
      "  values, at = lax.top_k(values, min(CANDIDATES, values.shape[-1]))",
      "  values, at = lax.top_k(values[:, :CANDIDATES], min(CANDIDATES, values.shape[-1]))",
      "vocab-sharded logits: top-k/top-p settled from the first shard's candidates only",
-     "tests/test_logits_sharded.py", "-k", "statistics"),
+     "tests/logits/test_logits_sharded.py", "-k", "statistics"),
   _m("threshold-tie-block-end", "_logits/threshold.py",
      "  block = jnp.sum(upto < n, dtype=jnp.int32)",
      "  block = jnp.sum(upto <= n, dtype=jnp.int32)",
@@ -342,12 +342,12 @@ MUTANTS: tuple[Mutant, ...] = (
      "  greedy = temperature < GREEDY_BELOW[convention]  # NaN stays NaN (flagged)",
      "  greedy = ~(temperature >= GREEDY_BELOW[convention])",
      "engine conventions: a NaN temperature mapped to greedy (a valid, plausible token)",
-     "tests/test_packed.py", "-k", "nan_temperature"),
+     "tests/layouts/test_packed.py", "-k", "nan_temperature"),
   _m("packed-greedy-clears-all", "_layouts/packed.py",
      "    error = jnp.where(greedy & (error & ErrorCode.NOT_NORMALIZED.value == error), 0, error)",
      "    error = jnp.where(greedy, 0, error)",
      "packed: a greedy request's every error cleared, not only an unfilled draft row's",
-     "tests/test_packed.py", "-k", "unfilled"),
+     "tests/layouts/test_packed.py", "-k", "unfilled"),
   _m("loop-length-unclipped", "decoding/common.py",
      "  stop_len = jnp.where(bad_length | bad_start, prompt_lengths, jnp.minimum(want, capacity))",
      "  stop_len = jnp.where(bad_start, prompt_lengths, jnp.minimum(want, capacity))",
@@ -362,12 +362,12 @@ MUTANTS: tuple[Mutant, ...] = (
      "  out_of_order = (links != -1) & ((links <= jnp.tile(nodes, 2)) | (links >= size))",
      "  out_of_order = (links != -1) & ((links < -1) | (links >= size))",
      "packed trees: a backward sibling link (or a cycle) is walked in index order, unflagged",
-     "tests/test_packed_tree.py", "-k", "malformed"),
+     "tests/layouts/test_packed_tree.py", "-k", "malformed"),
   _m("tree-links-twice-ok", "_core/links.py",
      "  return jnp.any(out_of_order) | jnp.any(reached > 1) | (next_sibling[0] != -1)",
      "  return jnp.any(out_of_order) | (next_sibling[0] != -1)",
      "packed trees: a node reached by two links is walked as the child of one, unflagged",
-     "tests/test_packed_tree.py", "-k", "malformed"),
+     "tests/layouts/test_packed_tree.py", "-k", "malformed"),
   _m("loop-verifies-processed-rows", "decoding/chain_loop.py",
      'RULE_OF = {verify: "token", block_verify: "block"}',
      "RULE_OF = {}",
@@ -412,7 +412,7 @@ MUTANTS: tuple[Mutant, ...] = (
      "    u = uniforms[size] if final_coin else u\n",
      "",
      "packed trees: sglang's final coin ignored (the layout's coin draws the final token)",
-     "tests/test_packed_tree.py", "-k", "coin_for_coin"),
+     "tests/layouts/test_packed_tree.py", "-k", "coin_for_coin"),
   _m("train-draft-one-step-warmup", "app/draft_training.py",
      "  warmup = min(100, steps // 10 + 1, steps - 1)",
      "  warmup = min(100, steps // 10 + 1)",
@@ -428,12 +428,12 @@ MUTANTS: tuple[Mutant, ...] = (
      "  candidate = jnp.where(me == owner, me * local_size + k, -1)",
      "  candidate = jnp.where(me == owner, me * block + k, -1)",
      "vocab-parallel sampler: global id from the block size (equal to the slice size while "
-     "V / n <= 256)", "tests/test_sharding.py", "-k", "more_than_one_block"),
+     "V / n <= 256)", "tests/layouts/test_sharding.py", "-k", "more_than_one_block"),
   _m("point-rows-no-column", "_rows/sources.py",
      "    columns = self.first_column() + start + jnp.arange(size, dtype=jnp.int32)",
      "    columns = start + jnp.arange(size, dtype=jnp.int32)",
      "vocab-parallel point-mass drafts compared with local, not global, columns",
-     "tests/test_matrix.py", "-k", "point_mass"),
+     "tests/layouts/test_matrix.py", "-k", "point_mass"),
   _m("eagle-head-prefix", "models/eagle.py",
      "head=jnp.take(head_all, ids, axis=0)", "head=head_all[:ids.shape[0]]",
      "the EAGLE head is the first K output rows, not the rows of vocab_ids",
@@ -603,20 +603,20 @@ MUTANTS: tuple[Mutant, ...] = (
      "    if params is not None and all_greedy(params, convention):",
      "    if False:",
      "packed_tree_verify: an all-greedy batch needs coins again",
-     "tests/test_packed_tree.py", "-k", "needs_no_coins"),
+     "tests/layouts/test_packed_tree.py", "-k", "needs_no_coins"),
   _m("all-greedy-any", "_layouts/engine.py",
      "bool(np.all(values <= 0))", "bool(np.any(values <= 0))",
      "one greedy request makes the whole batch greedy (a mixed batch runs on zero coins)",
-     "tests/test_packed_tree.py", "-k", "needs_no_coins"),
+     "tests/layouts/test_packed_tree.py", "-k", "needs_no_coins"),
   _m("packed-tree-draft-dtype-unchecked", "_layouts/packed_tree.py",
      '("target_logits", 2), ("draft_probs", 2),', '("target_logits", 2),',
      "packed_tree_verify: an integer JAX draft_probs reaches NumPy unchecked",
-     "tests/test_packed_tree.py", "-k", "wrong_dtypes"),
+     "tests/layouts/test_packed_tree.py", "-k", "wrong_dtypes"),
   _m("tree-final-coin-per-parent-only", "_rules/tree_walk.py",
      "    u = uniforms[size] if final_coin else u\n",
      "    u = uniforms[size] if final_coin and layout == \"per_parent\" else u\n",
      "packed trees: final_coins honoured only under per_parent",
-     "tests/test_packed_tree.py", "-k", "final_coins_draw"),
+     "tests/layouts/test_packed_tree.py", "-k", "final_coins_draw"),
   # --- the whole sampling surface (issue 45) --------------------------------------------------
   _m("penalty-prefix-uncounted", "_logits/adjust.py",
      "    count = count_in(jnp.sort(jnp.where(output >= 0, output, NO_ID)), ids) + jnp.sum(",

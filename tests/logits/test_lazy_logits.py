@@ -2,7 +2,7 @@
 processing.
 
 * The probabilities :func:`row_probs` reads from the per-row statistics equal
-  ``process_logits`` (the stable-sort reference of tests/test_logits_threshold.py): the same
+  ``process_logits`` (the stable-sort reference of tests/logits/test_logits_threshold.py): the same
   support, probabilities within ``1e-6``, except a token within rounding of ``top_p``. On
   hypothesis rows with heavy ties, ``-inf``, broken rows, ``bfloat16``, and on peaked
   (Zipf-shaped) and flat rows of V = 4,096, with every path of the statistics exercised: the
@@ -11,7 +11,7 @@ processing.
 * The batch-level branches change nothing: a row's statistics are the same whatever the other
   rows of its batch use.
 * The packed verifier from logits equals the one from eagerly processed probabilities token
-  for token (the reference law of tests/test_exactness.py), and its compiled program writes
+  for token (the reference law of tests/rules/test_exactness.py), and its compiled program writes
   no processed copy of the rows.
 """
 
@@ -32,9 +32,9 @@ import specdec_jax._logits.lazy as lazy
 import specdec_jax._logits.passes as row_passes
 from specdec_jax._logits.lazy import logit_stats
 from specdec_jax._logits.lazy import row_probs
-from tests.test_logits_threshold import OLD
-from tests.test_logits_threshold import near_top_p
-from tests.test_logits_threshold import rows
+from tests.logits.test_logits_threshold import OLD
+from tests.logits.test_logits_threshold import near_top_p
+from tests.logits.test_logits_threshold import rows
 
 
 @jax.jit

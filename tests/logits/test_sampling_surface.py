@@ -691,7 +691,7 @@ def test_no_penalised_or_masked_copy_in_the_compiled_program():
   """Penalties, a bias, bad words, min_tokens, allowed ids and per-row grammar masks: the packed
   verifier writes no ``T x V`` array (only statistics, row edits ``R x E`` and bitmask words)."""
   from specdec_jax._layouts.packed import packed_jit
-  from tests.test_lazy_logits import _largest_materialised
+  from tests.logits.test_lazy_logits import _largest_materialised
 
   batch, spec, vocab = 16, 4, 16384
   n = np.array([1, 0, 2, 1] * 4, np.int32)

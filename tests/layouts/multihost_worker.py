@@ -1,13 +1,13 @@
-"""One process of the multi-process test (tests/test_multihost.py launches three of them).
+"""One process of the multi-process test (tests/layouts/test_multihost.py launches three of them).
 
-Usage: ``python tests/multihost_worker.py PORT PROCESS_ID REFERENCE.npz``: the process joins a
-2-process ``jax.distributed`` cluster on localhost (4 CPU devices each, gloo collectives), builds
+Usage: ``python tests/layouts/multihost_worker.py PORT PROCESS_ID REFERENCE.npz``: the process joins
+a 2-process ``jax.distributed`` cluster on localhost (4 CPU devices each, gloo collectives), builds
 the global ``(2, 4)`` mesh ``data x model``, runs :func:`multihost_cases.run_cases` on global
 arrays that span both processes, and checks that every shard it holds equals the same slice of
 the single-process results in ``REFERENCE.npz``, exactly.
 
-``python tests/multihost_worker.py default-flags REFERENCE.npz``: one process on 8 CPU devices,
-started without the suite's ``XLA_FLAGS``, runs the checks of
+``python tests/layouts/multihost_worker.py default-flags REFERENCE.npz``: one process on 8 CPU
+devices, started without the suite's ``XLA_FLAGS``, runs the checks of
 :data:`multihost_cases.DEFAULT_FLAG_CHECKS` and compares them with the reference (computed under
 those flags), exactly.
 

@@ -5,7 +5,7 @@ packed} x {probabilities, logits + per-request SamplingParams with greedy rows m
 {uniforms, one key, one key per request} is checked token for token (and flag for flag)
 against one reference: the single-device, padded, one-sequence rule under ``jax.vmap`` on
 probabilities processed eagerly (``process_logits``) with the same uniforms. The reference's
-law is covered by the chi-square tests of tests/test_exactness.py, test_block.py and
+law is covered by the chi-square tests of tests/rules/test_exactness.py, test_block.py and
 test_tree.py, so agreement carries exactness to every cell. Vocabulary shards: 8 host devices
 (conftest.py), V / n = 40 (and the HLO test reads what crosses devices).
 """

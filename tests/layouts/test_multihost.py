@@ -1,10 +1,10 @@
 """Multi-host: two processes on localhost, one global ``(2, 4)`` mesh, gloo CPU collectives.
 
 The test process computes the single-process results of every case
-(:mod:`tests.multihost_cases`) on its own 8 CPU devices and saves them; two worker processes
-(``tests/multihost_worker.py``, 4 devices each) run the same calls on global arrays that span
-both and compare the shards they hold, exactly. A third process runs a few of the cases
-(:data:`~tests.multihost_cases.DEFAULT_FLAG_CHECKS`) in one process under XLA's *default*
+(:mod:`tests.layouts.multihost_cases`) on its own 8 CPU devices and saves them; two worker processes
+(``tests/layouts/multihost_worker.py``, 4 devices each) run the same calls on global arrays that
+span both and compare the shards they hold, exactly. A third process runs a few of the cases
+(:data:`~tests.layouts.multihost_cases.DEFAULT_FLAG_CHECKS`) in one process under XLA's *default*
 flags and compares them the same way: the check that conftest.py's faster-compiling flags,
 under which the rest of the suite (and the workers) run, change no result. A timeout turns a
 hang into a failure.
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests import multihost_cases
+from tests.layouts import multihost_cases
 
 WORKER = Path(__file__).resolve().parent / "multihost_worker.py"
 TIMEOUT_S = 600
@@ -58,7 +58,7 @@ def test_two_processes_give_the_single_process_results(tmp_path):
   reference = tmp_path / "reference.npz"
   np.savez(reference, **arrays)
   port = _free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(WORKER.parents[1]))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(WORKER.parents[2]))
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # their programs are their own: nothing to share
   defaults = {k: v for k, v in env.items() if k != "XLA_FLAGS"}  # XLA's default flags
   commands = [([str(port), str(i), str(reference)], env) for i in range(2)]

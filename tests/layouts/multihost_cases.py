@@ -30,8 +30,8 @@ from specdec_jax.models.toy import make_toy_model
 B, GAMMA, V = 8, 3, 32
 TOY_V = 16
 
-#: The checks tests/test_multihost.py also runs in one process under XLA's default flags (the
-#: rest of the suite runs under conftest.py's faster-compiling flags): every layout of the
+#: The checks tests/layouts/test_multihost.py also runs in one process under XLA's default flags
+#: (the rest of the suite runs under conftest.py's faster-compiling flags): every layout of the
 #: logits path, a tree and the two decoding loops with while loops inside while loops, so
 #: that a flag which changed a float or a loop's result fails there.
 DEFAULT_FLAG_CHECKS = ("vocab-parallel packed_verify from logits",
