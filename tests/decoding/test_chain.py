@@ -31,11 +31,9 @@ from specdec_jax.decoding import tree_speculative_generate
 from specdec_jax.decoding.drafts import lookup_row
 from specdec_jax.models import Model
 from specdec_jax.models.toy import make_toy_model
-from specdec_jax.theory import chi_square_test
 from tests._helpers import TOY_PROMPT_LENGTHS
 from tests._helpers import TOY_PROMPTS
-from tests._helpers import exact_sequence_probs
-from tests._helpers import sequence_index
+from tests.decoding import _exact as exact
 
 ALPHA = 0.01
 NUM_EXACT_TESTS = 3  # two speculative drafts and the plain baseline
@@ -202,25 +200,13 @@ def test_named_verifiers_read_the_logits_lazily_and_agree_with_processed_rows(na
 # ---------------------------------------------------------------------------------------------
 # Sampling exactness: the distribution of whole generated sequences.
 
-EXACT_V = 4
-EXACT_NEW = 4  # 4 ** 4 = 256 possible continuations
-EXACT_RUNS = 40_000
-EXACT_TEMPERATURE = 0.8
-EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
-EXACT_DRAFT = make_toy_model(jax.random.key(11), EXACT_V, context=1, scale=1.5,
-                             name="exact_draft")
-EXACT_PROMPT = np.array([0, 1, 2, 0, 1], np.int32)  # repeats: prompt lookup finds matches
-# Truncation too: tokens of probability 0 for the target (and for the draft model).
+# The shared setup (tests/decoding/_exact.py); prompt lookup's cell truncates by top-p, the
+# plain baseline not at all.
 EXACT_PARAMS = {
-  "model": SamplingParams(EXACT_TEMPERATURE, top_k=3),
-  "lookup": SamplingParams(EXACT_TEMPERATURE, top_p=0.9),
-  "plain": SamplingParams(EXACT_TEMPERATURE),
+  "model": exact.PARAMS,
+  "lookup": SamplingParams(0.8, top_p=0.9),
+  "plain": SamplingParams(0.8),
 }
-
-
-@functools.cache
-def _exact_probs(kind: str) -> np.ndarray:
-  return exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS[kind])
 
 
 def _wrong_q_verifier(kind: str):
@@ -240,53 +226,39 @@ _WRONG = {kind: _wrong_q_verifier(kind) for kind in ("model", "lookup")}
 
 
 def _sample_sequences(kind: str, verifier, seed: int):
-  draft = EXACT_DRAFT if kind == "model" else PromptLookup(max_ngram=2)
-  prompt = np.tile(EXACT_PROMPT, (EXACT_RUNS, 1))
-  lengths = np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32)
-  out = speculative_generate(EXACT_TARGET, draft, prompt, lengths, jax.random.key(seed), gamma=2,
-                             max_new_tokens=EXACT_NEW, params=EXACT_PARAMS[kind],
-                             verifier=verifier)
-  np.testing.assert_array_equal(out.num_new, EXACT_NEW)
-  tokens = np.asarray(out.tokens)[:, len(EXACT_PROMPT):]
-  return tokens, out
+  draft = exact.DRAFT if kind == "model" else PromptLookup(max_ngram=2)
+  return speculative_generate(exact.TARGET, draft, *exact.batch(), jax.random.key(seed), gamma=2,
+                              max_new_tokens=exact.NEW, params=EXACT_PARAMS[kind],
+                              verifier=verifier)
 
 
 @pytest.mark.parametrize("kind", ["model", "lookup"])
 def test_sampled_sequences_follow_target(kind):
-  probs = _exact_probs(kind)
-  assert (probs == 0).sum() > 0  # truncation removed some sequences
-  tokens, out = _sample_sequences(kind, "token", seed=100 + len(kind))
+  assert (exact.probs(EXACT_PARAMS[kind]) == 0).sum() > 0  # truncation removed some sequences
+  out = _sample_sequences(kind, "token", seed=100 + len(kind))
   np.testing.assert_array_equal(out.error, 0)
   _check_stats(out.stats, out.num_new, 2, kind)
   stats = jax.tree.map(np.asarray, out.stats)
   # Every path is exercised: rejections, acceptances, full acceptances with a bonus token.
   assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
   assert (stats.row_target_calls > 2).any()
-  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  _, _, pvalue, detail = chi_square_test(counts, probs)
+  _, _, pvalue, detail = exact.chi_square(out, EXACT_PARAMS[kind])
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{kind}: chi-square p = {pvalue:.3g}; {detail}"
 
 
 @pytest.mark.parametrize("kind", ["model", "lookup"])
 def test_wrong_q_is_detected(kind):
   """Negative control: the same check rejects verification with the wrong q."""
-  probs = _exact_probs(kind)
-  tokens, _ = _sample_sequences(kind, _WRONG[kind], seed=200 + len(kind))
-  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  _, _, pvalue, detail = chi_square_test(counts, probs)
+  out = _sample_sequences(kind, _WRONG[kind], seed=200 + len(kind))
+  _, _, pvalue, detail = exact.chi_square(out, EXACT_PARAMS[kind])
   assert pvalue < 1e-6, f"{kind}: the wrong q went undetected (p = {pvalue:.3g}); {detail}"
 
 
 def test_plain_sampling_follows_target():
   """The baseline itself: generate's sequences follow the enumerated distribution."""
-  probs = _exact_probs("plain")
-  prompt = np.tile(EXACT_PROMPT, (EXACT_RUNS, 1))
-  lengths = np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32)
-  out = generate(EXACT_TARGET, prompt, lengths, jax.random.key(300), max_new_tokens=EXACT_NEW,
+  out = generate(exact.TARGET, *exact.batch(), jax.random.key(300), max_new_tokens=exact.NEW,
                  params=EXACT_PARAMS["plain"])
-  tokens = np.asarray(out.tokens)[:, len(EXACT_PROMPT):]
-  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  _, _, pvalue, detail = chi_square_test(counts, probs)
+  _, _, pvalue, detail = exact.chi_square(out, EXACT_PARAMS["plain"])
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"generate: chi-square p = {pvalue:.3g}; {detail}"
 
 

@@ -29,8 +29,7 @@ from specdec_jax.models.toy import make_toy_model
 from specdec_jax.theory import chi_square_test
 from tests._helpers import TOY_PROMPT_LENGTHS
 from tests._helpers import TOY_PROMPTS
-from tests._helpers import exact_sequence_probs
-from tests._helpers import sequence_index
+from tests.decoding import _exact as exact
 
 GREEDY = SamplingParams(temperature=0.0)
 V = 16
@@ -178,31 +177,22 @@ def test_reduces_to_the_static_tree_it_spans(dynamic, static):
 # ---------------------------------------------------------------------------------------------
 # Sampling exactness: whole sequences against exact enumeration.
 
-EXACT_V, EXACT_NEW, EXACT_RUNS = 4, 4, 20_000
-EXACT_PARAMS = SamplingParams(0.8, top_k=3)
-EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
-EXACT_FEATURES = make_toy_feature_draft(EXACT_TARGET, noise=1.0, key=jax.random.key(12),
-                                        vocab_ids=[0, 1, 3])  # q = 0 on token 2
-EXACT_PROMPT = np.array([0, 1, 2, 0, 1], np.int32)
+# The shared setup (tests/decoding/_exact.py).
 EXACT_TREE = DynamicTree(2, 3, 5)
 
 
 def _counts(seed: int, verifier=None):
-  prompt = np.tile(EXACT_PROMPT, (EXACT_RUNS, 1))
-  lengths = np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32)
-  out = tree_speculative_generate(EXACT_TARGET, EXACT_FEATURES, prompt, lengths,
+  out = tree_speculative_generate(exact.TARGET, exact.FEATURES, *exact.batch(),
                                   jax.random.key(seed), tree=EXACT_TREE,
-                                  max_new_tokens=EXACT_NEW, params=EXACT_PARAMS,
+                                  max_new_tokens=exact.NEW, params=exact.PARAMS,
                                   tree_verifier=verifier)
-  np.testing.assert_array_equal(out.num_new, EXACT_NEW)
   np.testing.assert_array_equal(out.error, 0)
-  new = np.asarray(out.tokens)[:, len(EXACT_PROMPT):]
-  return np.bincount(sequence_index(new, EXACT_V), minlength=EXACT_V**EXACT_NEW), out
+  return exact.counts(out), out
 
 
 def test_sampled_sequences_follow_the_target():
   """Chi-square over all 256 continuations at ALPHA = 0.01 (the false-failure rate)."""
-  probs = exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS)
+  probs = exact.probs()
   counts, out = _counts(seed=600)
   stats = jax.tree.map(np.asarray, out.stats)
   assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()

@@ -38,11 +38,9 @@ from specdec_jax.models import eagle
 from specdec_jax.models import llama
 from specdec_jax.models.toy import make_toy_feature_draft
 from specdec_jax.models.toy import make_toy_model
-from specdec_jax.theory import chi_square_test
 from tests._helpers import TOY_PROMPT_LENGTHS
 from tests._helpers import TOY_PROMPTS
-from tests._helpers import exact_sequence_probs
-from tests._helpers import sequence_index
+from tests.decoding import _exact as exact
 
 ALPHA = 0.01
 NUM_EXACT_TESTS = 3
@@ -310,25 +308,14 @@ def test_adaptive_keeps_proposing_with_a_good_draft():
 # ---------------------------------------------------------------------------------------------
 # Sampling exactness of whole sequences.
 
-EXACT_V = 4
-EXACT_NEW = 4
-EXACT_RUNS = 40_000
-EXACT_PARAMS = SamplingParams(0.8, top_k=3)
-EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
-EXACT_PROMPT = np.array([0, 1, 2, 0, 1], np.int32)
+# The shared setup (tests/decoding/_exact.py).
 EXACT_DRAFTS = {
-  "feature": make_toy_feature_draft(EXACT_TARGET, noise=1.0, key=jax.random.key(12),
-                                    vocab_ids=[0, 1, 3]),
+  "feature": exact.FEATURES,
   "adaptive-lookup": PromptLookup(max_ngram=2),
-  "adaptive-feature": make_toy_feature_draft(EXACT_TARGET, noise=2.0, key=jax.random.key(13)),
+  "adaptive-feature": exact.NOISY_FEATURES,
 }
 EXACT_POLICY = AdaptiveSpeculation(draft_cost=0.05, verify_cost=0.04, fixed_cost=0.05,
                                    decay=0.5, idle_decay=0.5)
-
-
-@functools.cache
-def _exact_probs() -> np.ndarray:
-  return exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS)
 
 
 def _wrong(p, q, draft, uniforms, *, num_draft):
@@ -339,36 +326,27 @@ def _wrong(p, q, draft, uniforms, *, num_draft):
 
 
 def _sample(kind: str, verifier, seed: int):
-  prompt = np.tile(EXACT_PROMPT, (EXACT_RUNS, 1))
-  lengths = np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32)
-  out = speculative_generate(
-    EXACT_TARGET, EXACT_DRAFTS[kind], prompt, lengths, jax.random.key(seed), gamma=3,
-    max_new_tokens=EXACT_NEW, params=EXACT_PARAMS, verifier=verifier,
+  return speculative_generate(
+    exact.TARGET, EXACT_DRAFTS[kind], *exact.batch(), jax.random.key(seed), gamma=3,
+    max_new_tokens=exact.NEW, params=exact.PARAMS, verifier=verifier,
     adaptive=EXACT_POLICY if kind.startswith("adaptive") else None)
-  np.testing.assert_array_equal(out.num_new, EXACT_NEW)
-  return np.asarray(out.tokens)[:, len(EXACT_PROMPT):], out
 
 
 @pytest.mark.parametrize("kind", list(EXACT_DRAFTS))
 def test_sampled_sequences_follow_target(kind):
-  probs = _exact_probs()
-  tokens, out = _sample(kind, "token", seed=100 + len(kind))
+  out = _sample(kind, "token", seed=100 + len(kind))
   np.testing.assert_array_equal(out.error, 0)
   stats = jax.tree.map(np.asarray, out.stats)
   assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
   if kind.startswith("adaptive"):  # the rows chose different proposal counts
     assert len(set(stats.proposals.tolist())) > 1
-  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  _, _, pvalue, detail = chi_square_test(counts, probs)
+  _, _, pvalue, detail = exact.chi_square(out)
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{kind}: chi-square p = {pvalue:.3g}; {detail}"
 
 
 @pytest.mark.parametrize("kind", ["feature", "adaptive-feature"])
 def test_wrong_q_is_detected(kind):
-  probs = _exact_probs()
-  tokens, _ = _sample(kind, _wrong, seed=200 + len(kind))
-  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  _, _, pvalue, detail = chi_square_test(counts, probs)
+  _, _, pvalue, detail = exact.chi_square(_sample(kind, _wrong, seed=200 + len(kind)))
   assert pvalue < 1e-6, f"{kind}: the wrong q went undetected (p = {pvalue:.3g}); {detail}"
 
 

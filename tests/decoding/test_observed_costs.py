@@ -28,11 +28,9 @@ from specdec_jax.decoding.adaptive import choose_num_draft
 from specdec_jax.decoding.adaptive import cost_curve
 from specdec_jax.models.toy import make_toy_feature_draft
 from specdec_jax.models.toy import make_toy_model
-from specdec_jax.theory import chi_square_test
 from tests._helpers import TOY_PROMPT_LENGTHS
 from tests._helpers import TOY_PROMPTS
-from tests._helpers import exact_sequence_probs
-from tests._helpers import sequence_index
+from tests.decoding import _exact as exact
 
 GAMMA = 3
 POLICY = AdaptiveSpeculation(draft_cost=0.05, verify_cost=0.04, fixed_cost=0.1)
@@ -189,13 +187,7 @@ def test_observing_with_the_real_clock_streams_and_keeps_greedy_output():
 
 # Exactness: the cost table changes from chunk to chunk, so the widths change with it.
 
-EXACT_V = 4
-EXACT_NEW = 4
-EXACT_RUNS = 40_000
-EXACT_PARAMS = SamplingParams(0.8, top_k=3)
-EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
-EXACT_DRAFT = make_toy_feature_draft(EXACT_TARGET, noise=2.0, key=jax.random.key(13))
-EXACT_PROMPT = np.array([0, 1, 2, 0, 1], np.int32)
+# The shared setup (tests/decoding/_exact.py), with its noisier feature draft.
 TABLES = ([1.0, 1.0, 1.0, 1.0], [1.0, 1.2, 9.0, 9.0], [1.0, 9.0, 9.0, 9.0])
 ALPHA = 0.01
 
@@ -209,17 +201,12 @@ def _wrong(p, q, draft, uniforms, *, num_draft):
 def _exact_counts(monkeypatch, verifier, seed):
   _clocked(monkeypatch, tables=TABLES)
   out = speculative_generate(
-    EXACT_TARGET, EXACT_DRAFT, np.tile(EXACT_PROMPT, (EXACT_RUNS, 1)),
-    np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32), jax.random.key(seed), gamma=GAMMA,
-    max_new_tokens=EXACT_NEW, params=EXACT_PARAMS, verifier=verifier,
+    exact.TARGET, exact.NOISY_FEATURES, *exact.batch(), jax.random.key(seed), gamma=GAMMA,
+    max_new_tokens=exact.NEW, params=exact.PARAMS, verifier=verifier,
     adaptive=AdaptiveSpeculation(draft_cost=0.05, verify_cost=0.04, fixed_cost=0.05, decay=0.5,
                                  idle_decay=0.5, observe=1))
-  np.testing.assert_array_equal(out.num_new, EXACT_NEW)
   np.testing.assert_array_equal(out.error, 0)
-  tokens = np.asarray(out.tokens)[:, len(EXACT_PROMPT):]
-  probs = exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS)
-  counts = np.bincount(sequence_index(tokens, EXACT_V), minlength=len(probs))
-  return out, chi_square_test(counts, probs)
+  return out, exact.chi_square(out)
 
 
 def test_sampled_sequences_follow_the_target_as_the_costs_change(monkeypatch):

@@ -25,11 +25,9 @@ from specdec_jax.decoding import generate
 from specdec_jax.decoding import tree_speculative_generate
 from specdec_jax.models.toy import make_toy_feature_draft
 from specdec_jax.models.toy import make_toy_model
-from specdec_jax.theory import chi_square_test
 from tests._helpers import TOY_PROMPT_LENGTHS
 from tests._helpers import TOY_PROMPTS
-from tests._helpers import exact_sequence_probs
-from tests._helpers import sequence_index
+from tests.decoding import _exact as exact
 
 ALPHA = 0.01
 NUM_EXACT_TESTS = 4  # one per drafting law and draft kind (model, feature)
@@ -216,53 +214,32 @@ def test_tree_beats_chain_in_tokens_per_call():
 # ---------------------------------------------------------------------------------------------
 # Sampling exactness: whole sequences against exact enumeration.
 
-EXACT_V = 4
-EXACT_NEW = 4
-EXACT_RUNS = 20_000  # negative controls still give p < 1e-300
-EXACT_PARAMS = SamplingParams(0.8, top_k=3)
-EXACT_TARGET = make_toy_model(jax.random.key(10), EXACT_V, scale=1.5, name="exact_target")
-EXACT_DRAFT = make_toy_model(jax.random.key(11), EXACT_V, context=1, scale=1.5,
-                             name="exact_draft")
-EXACT_FEATURES = make_toy_feature_draft(EXACT_TARGET, noise=1.0, key=jax.random.key(12),
-                                        vocab_ids=[0, 1, 3])  # q = 0 on token 2
-EXACT_PROMPT = np.array([0, 1, 2, 0, 1], np.int32)
+# The shared setup (tests/decoding/_exact.py).
 EXACT_TREES = {"deterministic": DraftTree.from_branching((3, 2)),
                "iid": DraftTree.from_branching((2, 2))}
 
 
-@functools.cache
-def _exact_probs() -> np.ndarray:
-  return exact_sequence_probs(EXACT_TARGET, EXACT_PROMPT, EXACT_NEW, EXACT_PARAMS)
-
-
-def _sample(law: str, seed: int, rule_law: str | None = None, draft=EXACT_DRAFT):
+def _sample(law: str, seed: int, rule_law: str | None = None, draft=exact.DRAFT):
   tree = EXACT_TREES[law]
   verifier = None
   if rule_law is not None:
     verifier = functools.partial(tree_verify, law=rule_law, max_depth=tree.depth)
-  prompt = np.tile(EXACT_PROMPT, (EXACT_RUNS, 1))
-  lengths = np.full(EXACT_RUNS, len(EXACT_PROMPT), np.int32)
-  out = tree_speculative_generate(EXACT_TARGET, draft, prompt, lengths,
-                                  jax.random.key(seed), tree=tree, max_new_tokens=EXACT_NEW,
-                                  params=EXACT_PARAMS, law=law, tree_verifier=verifier)
-  np.testing.assert_array_equal(out.num_new, EXACT_NEW)
-  counts = np.bincount(sequence_index(np.asarray(out.tokens)[:, len(EXACT_PROMPT):], EXACT_V),
-                       minlength=EXACT_V**EXACT_NEW)
-  return counts, out
+  return tree_speculative_generate(exact.TARGET, draft, *exact.batch(), jax.random.key(seed),
+                                   tree=tree, max_new_tokens=exact.NEW, params=exact.PARAMS,
+                                   law=law, tree_verifier=verifier)
 
 
 @pytest.mark.parametrize("kind", ["model", "feature"])
 @pytest.mark.parametrize("law", ["deterministic", "iid"])
 def test_sampled_sequences_follow_target(law, kind):
-  probs = _exact_probs()
-  assert (probs == 0).sum() > 0  # top-k removed some sequences
-  draft = EXACT_DRAFT if kind == "model" else EXACT_FEATURES
-  counts, out = _sample(law, seed=400 + len(law) + 10 * len(kind), draft=draft)
+  assert (exact.probs() == 0).sum() > 0  # top-k removed some sequences
+  draft = exact.DRAFT if kind == "model" else exact.FEATURES
+  out = _sample(law, seed=400 + len(law) + 10 * len(kind), draft=draft)
   np.testing.assert_array_equal(out.error, 0)
   stats = jax.tree.map(np.asarray, out.stats)
   # Rejections, acceptances at both depths, and acceptance of a non-first sibling all happen.
   assert (stats.accepted == 0).any() and (stats.accepted_at[:, 1] > 0).any()
-  _, _, pvalue, detail = chi_square_test(counts, probs)
+  _, _, pvalue, detail = exact.chi_square(out)
   assert pvalue >= ALPHA / NUM_EXACT_TESTS, f"{law}, {kind}: chi-square p = {pvalue:.3g}; {detail}"
 
 
@@ -276,9 +253,9 @@ def test_wrong_law_is_detected(law, rule_law, kind):
   (Verifying sampled children with the point-mass rule is *not* a mistake: that rule is exact
   for any proposal chosen independently of the verification's uniforms, only less efficient.)
   """
-  draft = EXACT_DRAFT if kind == "model" else EXACT_FEATURES
-  counts, _ = _sample(law, seed=500 + len(law), rule_law=rule_law, draft=draft)
-  _, _, pvalue, detail = chi_square_test(counts, _exact_probs())
+  draft = exact.DRAFT if kind == "model" else exact.FEATURES
+  out = _sample(law, seed=500 + len(law), rule_law=rule_law, draft=draft)
+  _, _, pvalue, detail = exact.chi_square(out)
   assert pvalue < 1e-6, f"{law} drafted, {rule_law} rule: undetected (p = {pvalue:.3g}); {detail}"
 
 
