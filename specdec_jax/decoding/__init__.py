@@ -4,7 +4,9 @@ The package, one module per concern: ``types`` (results and loop state), ``args`
 argument checks), ``common`` (the traced pieces every loop shares), ``plain`` (:func:`generate`),
 ``drafts``, ``chain`` and ``chain_loop`` (:func:`speculative_generate`, its drafts and its traced
 loop), ``draft_tree``, ``dynamic_tree``, ``tree`` and ``tree_plan`` (:class:`DraftTree`,
-:class:`DynamicTree`, :func:`tree_speculative_generate` and :func:`plan_tree`).
+:class:`DynamicTree`, :func:`tree_speculative_generate` and :func:`plan_tree`). The public
+entry points are the names this ``__init__`` exports (``__all__``); the modules' other names are
+the implementation and may change.
 
 Both loops run a whole batch inside one compiled ``jax.lax.while_loop`` with fixed
 shapes. Every row has its own length (ragged batches), its own keys and its own stop
