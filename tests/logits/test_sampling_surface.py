@@ -781,6 +781,25 @@ def test_fuzz_every_field_eager_lazy_and_reference_agree(case):
         np.testing.assert_allclose(a, want, atol=1e-5, err_msg=f"{name}, top-k {k}, top-p {p}")
 
 
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_presence_is_charged_once_per_token_frequency_per_occurrence(field):
+  """Flat logits, an output where token 4 occurs twice and token 3 once: a presence penalty takes
+  the same from both, a frequency penalty twice as much from token 4 (vLLM's definitions), in
+  process_logits, sample_draft and the lazy statistics alike, equal to the float64 reference."""
+  x = jnp.zeros(V, jnp.float32)
+  params = sd.SamplingParams(np.float32(1.0), **{field: np.float32(0.7)})
+  hist = sd.History(PROMPT, OUTPUT)
+  want = reference.process_logits(np.zeros(V, np.float32), 1.0, None, None,
+                                  **reference_kwargs(params, OUTPUT))
+  ratio = want[4] / want[3]
+  np.testing.assert_allclose(ratio, 1.0 if field == "presence_penalty" else np.exp(-0.7),
+                             rtol=1e-6)
+  bitmask = sd.bitmask_from_mask(np.ones(V, bool))
+  for name, got in zip(("eager", "sample_draft", "lazy"),
+                       _three_ways(x, params, hist, jnp.asarray(bitmask)), strict=True):
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, err_msg=name)
+
 def test_grammar_masks_on_probability_rows_are_exact():
   """From probabilities (``verify`` and ``packed_verify``): each row masked and renormalised,
   the draft's rows too; every position's law given its prefix is the masked target row."""
